@@ -1,0 +1,73 @@
+"""`petite-llm bench`: the quick smoke run produces every figure; the helpers it rests on agree with transformers.
+
+No timing is asserted anywhere: timings depend on the machine and its load."""
+import argparse, json, math
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from petite_llm.bench import (SHAPES, add_arguments, linear_shapes, make_random_checkpoint, make_requests, run,
+                              shape_config, weight_bytes)
+
+
+def _parse(*argv):
+    return add_arguments(argparse.ArgumentParser(prog='petite-llm bench')).parse_args(list(argv))
+
+
+def test_help_lists_every_option():
+    h = add_arguments(argparse.ArgumentParser(prog='petite-llm bench')).format_help()
+    for opt in ('--quick', '--out', '--layers', '--threads', '--dtype', '--requests', '--shape', '--model'):
+        assert opt in h
+
+
+@pytest.mark.parametrize('shape', sorted(SHAPES))
+def test_checkpoint_has_the_shape_and_linear_shapes_count_its_linears(tmp_path, shape):
+    path = make_random_checkpoint(tmp_path/'ck', shape=shape, num_layers=1)
+    model = AutoModelForCausalLM.from_pretrained(path)  # transformers reads it back: the shape is the one asked for
+    cfg = shape_config(shape, num_layers=1)
+    for k in ('hidden_size', 'intermediate_size', 'num_attention_heads', 'num_key_value_heads', 'head_dim', 'vocab_size'):
+        assert getattr(model.config, k) == cfg[k]
+    assert model.config.num_hidden_layers == 1 and model.config.tie_word_embeddings
+    assert model.dtype == torch.bfloat16
+    # every nn.Linear transformers runs per token, counted by the bound's shape list
+    n_linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+    assert sum(o * i for o, i in linear_shapes(cfg)) == n_linear
+    assert weight_bytes(cfg, torch.bfloat16) == 2 * n_linear
+
+
+def test_full_shape_is_qwen3_06b_bytes():
+    assert abs(weight_bytes(shape_config('qwen3-0.6b')) / 1e9 - 1.19) < 0.01
+
+
+def test_requests_are_seeded_and_in_range():
+    r = make_requests(20, 5, 9, 100, seed=3)
+    assert r == make_requests(20, 5, 9, 100, seed=3)
+    assert all(5 <= len(p) <= 9 and 5 <= n <= 9 and all(0 <= t < 100 for t in p) for p, n in r)
+
+
+def test_quick_run_prints_json_and_writes_outputs(tmp_path, capsys):
+    res = run(_parse('--quick', '--out', str(tmp_path)))
+    printed = json.loads(capsys.readouterr().out)  # stdout is pure JSON
+    assert printed == json.loads(json.dumps(res))
+    assert json.loads((tmp_path/'bench.json').read_text()) == printed
+    assert (tmp_path/'bench_tok_s.png').stat().st_size > 0
+    for k in ('shape', 'dtype', 'threads', 'torch', 'lengths', 'linear_bound', 'petite_llm', 'transformers', 'ratios'):
+        assert k in res
+    assert res['dtype'] == 'bfloat16' and res['threads'] >= 1
+    for engine in ('petite_llm', 'transformers'):
+        for k in ('prefill_tok_s', 'decode_tok_s', 'offline_tok_s'):
+            assert math.isfinite(res[engine][k]) and res[engine][k] > 0
+    assert res['transformers']['batch_size'] in (1, 4, 8, 16)
+    assert set(res['transformers']['batch_size_tok_s']) == {1, 4, 8, 16}
+    assert res['linear_bound']['tok_s'] > 0 and res['memory_read_gb_s'] > 0
+    for k in ('prefill_vs_transformers', 'decode_vs_transformers', 'offline_vs_transformers', 'decode_vs_linear_bound'):
+        assert res['ratios'][k] > 0
+    assert res['lengths']['offline_output_tokens'] == res['petite_llm']['offline_output_tokens']
+
+
+def test_bad_arguments_raise_clear_errors():
+    from petite_llm.bench import run_benchmark
+    with pytest.raises(ValueError, match='unknown shape'): shape_config('qwen3-7b')
+    with pytest.raises(ValueError, match='decode_tokens'): run_benchmark(quick=True, decode_tokens=1)
+    with pytest.raises(ValueError, match='unknown engines'): run_benchmark(quick=True, engines=('vllm',))
