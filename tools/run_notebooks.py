@@ -18,14 +18,14 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from nbtools import HASH_KEY, NBS, ROOT, skipped_by, source_hash  # noqa: E402
+from nbtools import HASH_KEY, NBS, ROOT, settings, skipped_by, source_hash  # noqa: E402
 
 
 def run_one(path: Path, run_flags: set[str]) -> int:
     """Execute one notebook in this process and save it; 0 on success."""
     from execnb.nbio import nb2dict, read_nb, write_nb
     from execnb.shell import CaptureShell
-    from nbdev.clean import _nbdev_clean
+    from nbdev.clean import clean_nb
 
     path = path.resolve()
     os.chdir(path.parent)
@@ -59,9 +59,12 @@ def run_one(path: Path, run_flags: set[str]) -> int:
             print(f'  {path.name}: cell {cell.idx_} took {time.time() - t0:.0f}s '
                   '(unflagged cells should take seconds; flag long ones `#| slow`)', flush=True)
     d = nb2dict(nb)
-    _nbdev_clean(d)  # same normal form as `nbdev_clean` (keeps outputs and the petite_llm key)
+    cfg = settings()  # the normal form of `nbdev_clean`, which keeps outputs and the petite_llm key
+    clean_nb(d, clear_all=False, allowed_metadata_keys=cfg.get('allowed_metadata_keys', '').split(),
+             allowed_cell_metadata_keys=cfg.get('allowed_cell_metadata_keys', '').split(),
+             clean_ids=cfg.get('clean_ids', 'True').lower() == 'true')
     write_nb(d, path)
-    print(f'{path.relative_to(ROOT)}: ran {ran} cells, skipped {skipped} flagged, '
+    print(f'{path.name}: ran {ran} cells, skipped {skipped} flagged, '
           f'{time.time() - start:.1f}s', flush=True)
     return 0
 

@@ -1,0 +1,128 @@
+"""The book's toolchain (tools/): directives, the reader's view, `make book` hashes, the stale-output check."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import nbformat
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / 'tools'))
+import check_outputs  # noqa: E402
+import nbtools  # noqa: E402
+import toc  # noqa: E402
+
+
+def code(src, outputs=(), **meta):
+    return {'cell_type': 'code', 'source': src, 'outputs': list(outputs), 'metadata': meta, 'execution_count': None}
+
+
+def md(src):
+    return {'cell_type': 'markdown', 'source': src, 'metadata': {}}
+
+
+def stream(text):
+    return {'output_type': 'stream', 'name': 'stdout', 'text': [text]}
+
+
+@pytest.mark.parametrize('src,flag', [('#| slow\nx=1', 'slow'), ('#|slow\nx=1', 'slow'), ('#|  gpu\nx=1', 'gpu'),
+                                      ('#| export\n#| slow\nx=1', 'slow'), ('#| eval: false\nx=1', 'eval: false'),
+                                      ('#| export\nx=1', None), ('x=1\n#| slow', None), ('# slow\nx=1', None)])
+def test_skipped_by_reads_leading_directives_only(src, flag):
+    assert nbtools.skipped_by(code(src)) == flag
+
+
+def test_skipped_by_runs_flags_asked_for():
+    assert nbtools.skipped_by(code('#| slow\nx=1'), run_flags={'slow'}) is None
+    assert nbtools.skipped_by(code('#| gpu\nx=1'), run_flags={'slow'}) == 'gpu'
+
+
+def test_book_view_strips_directives_and_drops_hidden_cells():
+    out = [stream('hi\n')]
+    nb = {'cells': [code('#| default_exp toy'), md('# Toy\n> summary'), code('#| hide\nsecret()'),
+                    code('#| export\ndef f(): pass'), code('#| slow\nprint("hi")', out),
+                    code('#| echo: false\nplot()'), code('#| include: false\nx = 1')],
+          'metadata': {}, 'nbformat': 4, 'nbformat_minor': 5}
+    cells = nbtools.book_view(nb)['cells']
+    assert [c['source'] for c in cells] == ['# Toy\n> summary', 'def f(): pass', 'print("hi")', 'plot()']
+    assert cells[2]['outputs'] == out  # saved outputs of a skipped cell stay on the page
+    assert cells[3]['metadata']['tags'] == ['remove-input']
+    assert not any('#|' in c['source'] for c in cells)
+
+
+def write_nb(path, cells):
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.from_dict(c) for c in cells]
+    for i, c in enumerate(nb.cells):
+        c['id'] = f'c{i}'
+    nbformat.write(nb, path)
+    return path
+
+
+def test_check_outputs_finds_stale_missing_and_error_outputs(tmp_path):
+    fresh = code('print(1)', [stream('1\n')])
+    fresh['metadata'] = {'petite_llm': {'source_hash': nbtools.source_hash(fresh)}}
+    edited = code('print(2)', [stream('1\n')], petite_llm={'source_hash': nbtools.source_hash(code('print(1)'))})
+    by_hand = code('#| slow\nprint(3)', [stream('3\n')])
+    error = code('1/0', [{'output_type': 'error', 'ename': 'ZeroDivisionError', 'evalue': '', 'traceback': []}],
+                 petite_llm={'source_hash': nbtools.source_hash(code('1/0'))})
+    silent = code('x = 1')  # prints nothing and was never run: fine
+    nb = write_nb(tmp_path / '03_x.ipynb', [fresh, edited, by_hand, error, silent])
+    msgs = check_outputs.problems(nb, is_chapter=True)
+    assert len(msgs) == 3, msgs
+    assert 'cell 1' in msgs[0] and 'edited after' in msgs[0]
+    assert 'cell 2' in msgs[1] and 'no source hash' in msgs[1] and 'FLAGS=slow' in msgs[1]
+    assert 'cell 3' in msgs[2] and 'error' in msgs[2]
+    assert check_outputs.problems(write_nb(tmp_path / '04_y.ipynb', [fresh]), is_chapter=True) == []
+
+
+def test_check_outputs_fails_a_chapter_never_built(tmp_path):
+    nb = write_nb(tmp_path / '05_z.ipynb', [md('# Z'), code('x = 1')])
+    assert 'never built' in check_outputs.problems(nb, is_chapter=True)[0]
+    assert check_outputs.problems(nb, is_chapter=False) == []
+
+
+def test_run_notebooks_saves_outputs_and_hashes_keeps_flagged_outputs(tmp_path):
+    kept = [stream('measured on a GPU\n')]
+    nb = write_nb(tmp_path / '06_run.ipynb', [
+        md('# Run'), code('#| export\ndef double(x): return 2 * x'), code('print(double(21))', [stream('stale\n')]),
+        code('#| gpu\nraise RuntimeError("must not run")', kept), code('double(5)'),
+        code('#| slow\nprint("slow")')])
+    subprocess.run([sys.executable, str(ROOT / 'tools' / 'run_notebooks.py'), str(nb)], check=True, cwd=ROOT,
+                   capture_output=True)
+    cells = json.loads(nb.read_text())['cells']
+    assert ''.join(cells[2]['outputs'][0]['text']) == '42\n'
+    assert cells[3]['outputs'] == kept and 'petite_llm' not in cells[3]['metadata']
+    assert cells[4]['outputs'][0]['data']['text/plain'] == ['10']
+    assert cells[5]['outputs'] == []
+    assert check_outputs.problems(nb, is_chapter=True) == [
+        f'06_run.ipynb: cell 3 (id c3, "#| gpu") has outputs but no source hash: saved by hand, '
+        'not by `make book` (a `gpu` cell: `make book FLAGS=gpu` runs it)']
+    for c in cells[1:3] + cells[4:5]:
+        assert c['metadata']['petite_llm']['source_hash'] == nbtools.source_hash(c)
+
+
+def test_run_notebooks_does_not_save_a_failing_notebook(tmp_path):
+    nb = write_nb(tmp_path / '07_fail.ipynb', [code('print("ok")'), code('1/0')])
+    before = nb.read_text()
+    r = subprocess.run([sys.executable, str(ROOT / 'tools' / 'run_notebooks.py'), str(nb)], cwd=ROOT,
+                       capture_output=True, text=True)
+    assert r.returncode == 1 and 'ZeroDivisionError' in r.stderr and 'NOT saved' in r.stderr
+    assert nb.read_text() == before
+
+
+def test_toc_lists_every_chapter_in_order():
+    yml = toc.toc_yml()
+    files = [l.split('file: ')[1] for l in yml.splitlines() if 'file: ' in l]
+    assert files == [f'nbs/{p.stem}' for p in nbtools.chapters()]
+    assert 'root: nbs/index' in yml
+
+
+def test_readme_starts_with_make_demo_then_make_test():
+    import make_readme
+    text = make_readme.readme_text()
+    first_block = text.split('```sh\n', 1)[1].split('```', 1)[0]
+    cmds = [l.split('#')[0].strip() for l in first_block.splitlines()]
+    assert cmds[:2] == ['make demo', 'make test']
+    assert 'LLM("Qwen/Qwen3-0.6B")' in text and 'make test-slow' in text and 'make book' in text
