@@ -48,10 +48,17 @@ class _Quiet(http.server.SimpleHTTPRequestHandler):
         pass
 
 
+class _Server(http.server.ThreadingHTTPServer):
+    def handle_error(self, request, client_address):
+        """The browser dropping a connection it no longer needs is not an error worth a traceback."""
+        if not isinstance(sys.exc_info()[1], (BrokenPipeError, ConnectionResetError)):
+            super().handle_error(request, client_address)
+
+
 def serve(folder: Path) -> tuple[http.server.ThreadingHTTPServer, str]:
     """Serve `folder` on 127.0.0.1 at a free port in a daemon thread; the server and its base URL."""
     handler = functools.partial(_Quiet, directory=str(folder))
-    server = http.server.ThreadingHTTPServer(('127.0.0.1', 0), handler)
+    server = _Server(('127.0.0.1', 0), handler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     return server, f'http://127.0.0.1:{server.server_address[1]}'
 
@@ -136,16 +143,18 @@ def main(argv=None) -> int:
         driver = browser(profile)
         try:
             for nb in pages:
+                t0 = time.time()
                 try:
                     problems, what = check_page(driver, base, nb)
                 except Exception as e:  # a page that hangs or crashes the renderer is a failure, not a crash
                     problems, what = [f'could not be checked: {type(e).__name__}: {e}'.splitlines()[0]], ''
+                took = f'{time.time() - t0:.1f}s'
                 if problems:
                     failed += 1
-                    print(f'FAIL nbs/{nb.stem}.html: ' + '; '.join(problems), flush=True)
+                    print(f'FAIL nbs/{nb.stem}.html ({took}): ' + '; '.join(problems), flush=True)
                 else:
                     passed += 1
-                    print(f'ok   nbs/{nb.stem}.html ({what})', flush=True)
+                    print(f'ok   nbs/{nb.stem}.html ({what}, {took})', flush=True)
         finally:
             driver.quit()
     finally:
