@@ -1,0 +1,269 @@
+"""Scheduler and block manager under random request streams (hypothesis), plus the named corner cases.
+
+A fake model writes (token, position) into the slots the scheduler hands out and samples from the context it
+reads *back through the block table*, so a wrong prefix hit, an overwritten shared block or a block hashed before
+it was written shows up as a wrong token or a failed assertion.
+"""
+import random
+from collections import Counter
+
+import pytest
+from hypothesis import given, settings, strategies as st, HealthCheck
+
+from petite_llm.paging import BlockManager, cdiv
+from petite_llm.sampling import SamplingParams
+from petite_llm.scheduler import Scheduler, Sequence, SequenceStatus
+
+EOS = 0
+
+
+class FakeModel:
+    "Writes (token, position) into slots; samples hash(context read back through the block table) % vocab."
+    def __init__(self, bs, vocab):
+        self.slots, self.bs, self.vocab = {}, bs, vocab
+
+    def next_token(self, toks): return hash(tuple(toks)) % self.vocab
+
+    def slot(self, seq, p): return seq.block_table[p // self.bs] * self.bs + p % self.bs
+
+    def step(self, out):
+        sampled = {}
+        for seq, c, n, samples in zip(out.seqs, out.num_computed_tokens, out.num_new_tokens, out.do_sample):
+            assert len(seq.block_table) * self.bs >= c + n
+            for p in range(c, c + n): self.slots[self.slot(seq, p)] = (seq.token_ids[p], p)
+            if samples:
+                ctx = [self.slots.get(self.slot(seq, p)) for p in range(c + n)]
+                assert ctx == [(t, p) for p, t in enumerate(seq.token_ids)], f"seq {seq.seq_id} reads a corrupted context"
+                sampled[seq.seq_id] = self.next_token(seq.token_ids)
+        return sampled
+
+    def alone(self, seq, max_model_len, eos_ids=(EOS,)):
+        "The output a request gets when it runs alone, with the scheduler's stop rules."
+        sp, toks = seq.sampling_params, list(seq.prompt_token_ids)
+        while True:
+            toks.append(self.next_token(toks))
+            nout = len(toks) - len(seq.prompt_token_ids)
+            if nout > sp.min_tokens and toks[-1] in sp.stop_token_set(eos_ids): return toks[len(seq.prompt_token_ids):], 'stop'
+            if nout >= sp.max_tokens or len(toks) >= max_model_len: return toks[len(seq.prompt_token_ids):], 'length'
+
+
+def check_invariants(sched):
+    "free + used = total; refcount = block-table references; free blocks have refcount 0; cached map is consistent."
+    bm = sched.block_manager
+    refs = Counter(b for s in sched.running for b in s.block_table)
+    assert all(not s.block_table and s.status is SequenceStatus.WAITING for s in sched.waiting)
+    assert all(s.status is SequenceStatus.RUNNING for s in sched.running)
+    assert [b.ref_count for b in bm.blocks] == [refs[i] for i in range(bm.num_blocks)]
+    assert set(bm.free_ids) == {i for i in range(bm.num_blocks) if refs[i] == 0}
+    assert bm.num_free_blocks + bm.num_used_blocks == bm.num_blocks == bm.num_free_blocks + len(refs)
+    for h, bid in bm.cached.items(): assert bm.blocks[bid].hash == h and len(bm.blocks[bid].token_ids) == bm.block_size
+    for s in sched.running:
+        assert len(s.block_table) >= cdiv(s.num_computed_tokens, bm.block_size) and s.num_computed_tokens <= s.num_tokens
+        for i in range(min(s.num_computed_tokens, s.num_tokens) // bm.block_size):   # hashed blocks hold what the seq holds
+            b = bm.blocks[s.block_table[i]]
+            assert b.hash is None or b.token_ids == tuple(s.token_ids[i * bm.block_size:(i + 1) * bm.block_size])
+    assert len(sched.running) <= sched.max_num_seqs
+    assert set(sched.seqs) == {s.seq_id for s in sched.running + sched.waiting}
+
+
+STEPS = Counter()
+
+
+def drive(sched, model, arrivals, aborts, check_order=True):
+    "Run until every request finished; check invariants and budgets every step. Returns finished seqs and steps after the last arrival."
+    finished, step, after = {}, 0, 0
+    while step < len(arrivals) or sched.has_unfinished_requests():
+        for seq in (arrivals[step] if step < len(arrivals) else []): sched.add(seq)
+        if step in aborts and sched.seqs:
+            victim = sorted(sched.seqs)[aborts[step] % len(sched.seqs)]
+            finished[victim] = sched.abort(victim)
+        waiting_before = set(map(id, sched.waiting))
+        out = sched.schedule()
+        check_invariants(sched)
+        assert out.num_batched_tokens <= sched.max_num_batched_tokens and all(n >= 1 for n in out.num_new_tokens)
+        assert out.num_decodes == sum(n == 1 for n in out.num_new_tokens) and all(n == 1 for n in out.num_new_tokens[:out.num_decodes])
+        assert len({s.seq_id for s in out.seqs}) == len(out.seqs) and not set(out.preempted_ids) & {s.seq_id for s in out.seqs}
+        if check_order:   # admissions take the head of the queue: nobody admitted is less urgent than anyone left waiting
+            admitted = [s for s in out.seqs if id(s) in waiting_before]
+            if admitted and sched.waiting: assert max(s.urgency for s in admitted) < min(s.urgency for s in sched.waiting)
+        for seq in sched.update(out, model.step(out)): finished[seq.seq_id] = seq
+        check_invariants(sched)
+        step += 1
+        after += step > len(arrivals)
+        STEPS['steps'] += 1
+    assert sched.block_manager.num_used_blocks == 0 and not sched.running and not sched.waiting
+    return finished, after
+
+
+def make_stream(rng, n, vocab, prefixes, max_prompt, max_out, groups):
+    reqs, i = [], 0
+    while len(reqs) < n:
+        prompt = rng.choice(prefixes)[:rng.randint(0, max_prompt)] + [rng.randrange(1, vocab) for _ in range(rng.randint(1, max_prompt))]
+        prompt = prompt[:max_prompt] or [1]
+        mt = rng.randint(1, max_out)
+        sp = SamplingParams(max_tokens=mt, min_tokens=min(mt, rng.choice([0, 0, 2])), ignore_eos=rng.random() < 0.2,
+                            stop_token_ids=rng.choice([[], [], [3]]))
+        prio = rng.choice([0, 0, 0, 1, 5])
+        k = rng.choice([1, 1, 1, 3]) if groups else 1
+        for _ in range(k):
+            reqs.append(Sequence(i, prompt, sp, priority=prio, group_id=1000 + len(reqs) if k > 1 else None)); i += 1
+    return reqs
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
+@given(seed=st.integers(0, 2**32 - 1), block_size=st.sampled_from([1, 2, 4, 8]), extra_blocks=st.integers(0, 6),
+       budget=st.integers(4, 40), max_num_seqs=st.integers(1, 8), prefix_caching=st.booleans(), groups=st.booleans())
+def test_random_streams(seed, block_size, extra_blocks, budget, max_num_seqs, prefix_caching, groups):
+    rng = random.Random(seed)
+    vocab, max_prompt, max_out, max_model_len = 23, 30, 20, 40
+    prefixes = [[rng.randrange(1, vocab) for _ in range(max_prompt)] for _ in range(3)]
+    reqs = make_stream(rng, rng.randint(1, 14), vocab, prefixes, max_prompt, max_out, groups)
+    need = max(cdiv(min(r.num_tokens + r.sampling_params.max_tokens, max_model_len) - 1, block_size) for r in reqs)
+    bm = BlockManager(need + extra_blocks, block_size, enable_prefix_caching=prefix_caching)
+    sched = Scheduler(bm, max_num_batched_tokens=max(budget, max_num_seqs), max_num_seqs=max_num_seqs,
+                      max_model_len=max_model_len, eos_token_ids=[EOS])
+    model = FakeModel(block_size, vocab)
+    arrivals = [[] for _ in range(rng.randint(1, 30))]
+    for r in reqs: arrivals[rng.randrange(len(arrivals))].append(r)
+    aborts = {rng.randrange(60): rng.randrange(100) for _ in range(rng.choice([0, 0, 2]))}
+    finished, after = drive(sched, model, arrivals, aborts, check_order=not groups)
+    assert set(finished) == {r.seq_id for r in reqs}
+    for r in reqs:
+        assert r.status is SequenceStatus.FINISHED
+        if r.finish_reason == 'abort': continue
+        assert (r.output_token_ids, r.finish_reason) == model.alone(r, max_model_len)
+    # once arrivals stop, everything finishes within a bounded number of steps (work, recompute included)
+    work = sum(r.num_prompt_tokens + r.sampling_params.max_tokens for r in reqs)
+    assert after <= 2 * work + 10
+    STEPS['preemptions'] += sched.num_preemptions
+    STEPS['prefix_hits'] += bm.num_hit_tokens
+    STEPS['worst_ratio'] = max(STEPS['worst_ratio'], after / work)
+
+
+def test_many_steps_were_run():
+    "The property test above is only worth something if it ran thousands of scheduler steps."
+    if STEPS['steps']:
+        assert STEPS['steps'] > 2000 and STEPS['preemptions'] > 50 and STEPS['prefix_hits'] > 100, STEPS
+    print(f"property test: {dict(STEPS)}")
+
+
+def _sched(num_blocks=16, bs=4, budget=32, seqs=8, max_model_len=64, **kw):
+    bm = BlockManager(num_blocks, bs, **kw)
+    return Scheduler(bm, max_num_batched_tokens=budget, max_num_seqs=seqs, max_model_len=max_model_len, eos_token_ids=[EOS]), FakeModel(bs, 50)
+
+
+def test_chunked_prefill_never_stalls_decodes():
+    sched, model = _sched(num_blocks=64, budget=8)
+    sched.add(Sequence(0, [5] * 3, SamplingParams(max_tokens=30, ignore_eos=True)))
+    out = sched.schedule(); sched.update(out, model.step(out))
+    sched.add(Sequence(1, list(range(1, 41)), SamplingParams(max_tokens=2, ignore_eos=True)))   # 40 tokens, budget 8
+    chunks = []
+    for _ in range(6):
+        out = sched.schedule()
+        assert out.seqs[0].seq_id == 0 and out.num_new_tokens[0] == 1 and out.num_decodes >= 1   # the decode runs every step
+        chunks += [n for s, n in zip(out.seqs, out.num_new_tokens) if s.seq_id == 1]
+        sched.update(out, model.step(out))
+    assert chunks == [7, 7, 7, 7, 7, 5] and sched.seqs[1].num_output_tokens == 1
+
+
+def test_full_prefix_hit_still_computes_the_last_token():
+    sched, model = _sched()
+    prompt = list(range(1, 17))                       # 4 full blocks
+    sched.add(Sequence(0, prompt, SamplingParams(max_tokens=1)))
+    out = sched.schedule(); sched.update(out, model.step(out))
+    assert not sched.has_unfinished_requests()
+    sched.add(Sequence(1, prompt, SamplingParams(max_tokens=2)))
+    out = sched.schedule()
+    assert out.num_computed_tokens == [12] and out.num_new_tokens == [4] and out.do_sample == [True]
+    finished = sched.update(out, model.step(out))
+    assert sched.block_manager.num_hit_tokens == 12 and not finished
+    out = sched.schedule(); [s] = sched.update(out, model.step(out))
+    assert (s.output_token_ids, s.finish_reason) == model.alone(s, 64)
+
+
+def test_n_samples_share_prompt_blocks():
+    sched, model = _sched(num_blocks=32)
+    for i in range(4): sched.add(Sequence(i, list(range(1, 14)), SamplingParams(max_tokens=3, ignore_eos=True), group_id=7))
+    out = sched.schedule(); assert [s.seq_id for s in out.seqs] == [0]
+    sched.update(out, model.step(out))
+    out = sched.schedule()
+    tables = [sched.seqs[i].block_table for i in range(4)]
+    assert all(t[:3] == tables[0][:3] for t in tables) and len({t[3] for t in tables}) == 4
+    assert sched.block_manager.blocks[tables[0][0]].ref_count == 4
+    sched.update(out, model.step(out))
+
+
+def test_refusals():
+    sched, _ = _sched(num_blocks=4, max_model_len=20)
+    with pytest.raises(ValueError, match="max_model_len"): sched.add(Sequence(0, [1] * 20))
+    with pytest.raises(ValueError, match="KV blocks"): sched.add(Sequence(1, [1] * 10, SamplingParams(max_tokens=9)))
+    sched.add(Sequence(2, [1] * 10, SamplingParams(max_tokens=7)))
+    with pytest.raises(ValueError, match="already queued"): sched.add(Sequence(2, [1]))
+    with pytest.raises(ValueError, match="empty"): Sequence(3, [])
+    with pytest.raises(ValueError, match="max_num_batched_tokens"): Scheduler(BlockManager(4, 4), max_num_batched_tokens=4, max_num_seqs=8)
+
+
+def test_stop_rules():
+    sched, _ = _sched()
+    def go(sp, tokens, max_model_len=64):
+        sched.max_model_len = max_model_len
+        sched.add(Sequence(99, [1, 2, 3], sp))
+        for t in tokens:
+            out = sched.schedule()
+            if fin := sched.update(out, [t]): return fin[0]
+    s = go(SamplingParams(max_tokens=10), [4, EOS]); assert (s.output_token_ids, s.finish_reason, s.stop_reason) == ([4, EOS], 'stop', EOS)
+    s = go(SamplingParams(max_tokens=10, min_tokens=2), [EOS, EOS, 5, EOS]); assert s.output_token_ids == [EOS, EOS, 5, EOS]
+    s = go(SamplingParams(max_tokens=3, ignore_eos=True), [EOS, EOS, EOS]); assert s.finish_reason == 'length'
+    s = go(SamplingParams(max_tokens=10, ignore_eos=True, stop_token_ids=[7]), [EOS, 7]); assert (s.finish_reason, s.stop_reason) == ('stop', 7)
+    s = go(SamplingParams(max_tokens=10), [4, 4, 4], max_model_len=5); assert (s.output_token_ids, s.finish_reason) == ([4, 4], 'length')
+
+
+def test_update_accepts_several_tokens_and_stops_midway():
+    sched, _ = _sched()
+    sched.add(Sequence(0, [1, 2], SamplingParams(max_tokens=10)))
+    out = sched.schedule()
+    [s] = sched.update(out, {0: [5, 6, EOS, 8]})   # e.g. accepted drafts: tokens after a stop are dropped
+    assert s.output_token_ids == [5, 6, EOS] and s.finish_reason == 'stop'
+
+
+def test_abort_and_finish_free_everything():
+    sched, model = _sched(num_blocks=8, budget=8, seqs=2)
+    for i in range(3): sched.add(Sequence(i, list(range(1, 12)), SamplingParams(max_tokens=5, ignore_eos=True)))
+    out = sched.schedule()
+    sampled = model.step(out)                                            # the forward ran; then, before update():
+    assert sched.abort(2).finish_reason == 'abort'                       # a waiting request is aborted
+    assert sched.finish(0, 'stop', stop_reason='</s>').stop_reason == '</s>'   # a running one hit a stop string
+    assert sched.update(out, sampled) == [] and sched.abort(0) is None
+    check_invariants(sched)
+    assert list(sched.seqs) == [1]
+    sched.abort(1); assert sched.block_manager.num_used_blocks == 0 and not sched.has_unfinished_requests()
+
+
+def test_priority_preempts_less_urgent():
+    sched, model = _sched(num_blocks=6, budget=8, seqs=4)
+    low = Sequence(0, list(range(1, 15)), SamplingParams(max_tokens=8, ignore_eos=True))
+    high = Sequence(1, list(range(20, 34)), SamplingParams(max_tokens=8, ignore_eos=True), priority=5)
+    sched.add(low)
+    for _ in range(3): out = sched.schedule(); sched.update(out, model.step(out))
+    sched.add(high)
+    out = sched.schedule()
+    assert out.preempted_ids == [0] and [s.seq_id for s in out.seqs] == [1] and low.num_computed_tokens == 0
+    order = []
+    while sched.has_unfinished_requests():
+        out = sched.schedule()
+        order += [s.seq_id for s in sched.update(out, model.step(out))]
+    assert order == [1, 0] and sched.num_preemptions == 1
+    assert low.output_token_ids == model.alone(low, 64)[0]
+
+
+def test_lru_revives_freed_prefix_after_preemption():
+    "A preempted sequence's committed blocks survive in the free list and come back as prefix hits on re-admission."
+    sched, model = _sched(num_blocks=8, budget=8, seqs=4)
+    a = Sequence(0, list(range(1, 13)), SamplingParams(max_tokens=4, ignore_eos=True))
+    sched.add(a)
+    for _ in range(2): out = sched.schedule(); sched.update(out, model.step(out))
+    b = Sequence(1, list(range(30, 50)), SamplingParams(max_tokens=1, ignore_eos=True), priority=1)   # 5 blocks, no decode
+    sched.add(b)
+    out = sched.schedule(); assert out.preempted_ids == [0]
+    while sched.has_unfinished_requests(): out = sched.schedule(); sched.update(out, model.step(out))
+    assert a.num_cached_tokens == 12 and a.output_token_ids == model.alone(a, 64)[0]
