@@ -3,7 +3,8 @@
 Copies _config.yml, _toc.yml, images/ and every notebook of the table of contents into
 _build/book_src/ (ignored by git) as a reader should see them (`#|` directive lines stripped,
 `#| hide` cells dropped; see nbtools.book_view), then runs `jupyter-book build` with execution
-off. Markdown images `../images/x.png` resolve because images/ sits beside nbs/ there too.
+off. Markdown images `../images/x.png` resolve because images/ sits beside nbs/ there too (and
+images/ is copied beside the built pages for raw-HTML <img> tags).
 The HTML lands in _build/site/_build/html (SITE_HTML).
 """
 from __future__ import annotations
@@ -61,6 +62,8 @@ def main(argv=None) -> int:
     if rc:
         print(f'jupyter-book build failed (exit {rc})', file=sys.stderr)
         return rc
+    if IMAGES.exists():  # raw-HTML <img src="../images/x.png"> in a page resolves too
+        shutil.copytree(IMAGES, SITE_HTML / 'images', dirs_exist_ok=True)
     missing = [p.stem for p in nbs if not (SITE_HTML / 'nbs' / f'{p.stem}.html').exists()]
     if missing:
         print(f'jupyter-book wrote no page for: {", ".join(missing)}', file=sys.stderr)
