@@ -126,3 +126,12 @@ def test_readme_starts_with_make_demo_then_make_test():
     cmds = [l.split('#')[0].strip() for l in first_block.splitlines()]
     assert cmds[:2] == ['make demo', 'make test']
     assert 'LLM("Qwen/Qwen3-0.6B")' in text and 'make test-slow' in text and 'make book' in text
+
+
+def test_promises_picture():
+    assert nbtools.promises_picture({'cells': [code("plt.savefig('../images/a.png')")]})
+    assert nbtools.promises_picture({'cells': [md('![](../images/a.png)')]})
+    assert nbtools.promises_picture({'cells': [code("#| slow\nplt.savefig('../images/a.png')")]})
+    assert not nbtools.promises_picture({'cells': [code("#| gpu\nplt.savefig('../images/a.png')")]})
+    assert nbtools.promises_picture({'cells': [code("#| gpu\nplt.savefig('../images/a.png')", [stream('x')])]})
+    assert not nbtools.promises_picture({'cells': [md('no pictures'), code('x = 1')]})

@@ -99,8 +99,18 @@ def skipped_by(cell: dict, run_flags: set[str] = frozenset()) -> str | None:
 
 
 def promises_picture(nb: dict) -> bool:
-    """A chapter promises a picture when its code saves a figure or its text refers to images/."""
-    return any('savefig' in source(c) or 'images/' in source(c) for c in nb['cells'])
+    """A chapter promises a picture when its code saves a figure or its text refers to images/.
+
+    A `#| gpu` cell that never ran (no saved output) promises nothing on a CPU-built site.
+    """
+    for c in nb['cells']:
+        s = source(c)
+        if 'savefig' not in s and 'images/' not in s:
+            continue
+        if c.get('cell_type') == 'code' and 'gpu' in directives(c) and not c.get('outputs'):
+            continue
+        return True
+    return False
 
 
 def book_view(nb: dict) -> dict:
