@@ -58,18 +58,25 @@ demo: setup
 	$(BIN)/petite-llm generate --chat --temperature 0 --max-tokens 48 "What is the capital of France?"
 
 test: setup chromium
+	@echo "== nbdev_export: petite_llm/ must be what the notebooks make"
 	$(BIN)/nbdev_export
 	@if [ -n "$$(git status --porcelain petite_llm)" ]; then \
 	  echo "petite_llm/ is not what nbdev_export makes from nbs/ (or is uncommitted):"; \
 	  git status --porcelain petite_llm; \
 	  echo "Run nbdev_export and commit petite_llm/ with the notebooks; never edit petite_llm/ by hand."; \
 	  exit 1; fi
+	@echo "== nbdev_test: every notebook, cells flagged slow/gpu skipped"
 	$(BIN)/nbdev_test
+	@echo "== pytest (not slow)"
 	$(PY) -m pytest -m "not slow" tests || { rc=$$?; \
 	  if [ $$rc = 5 ]; then echo "pytest collected no test: that is a failure"; fi; exit $$rc; }
+	@echo "== README.md in sync with nbs/index.ipynb"
 	$(PY) tools/make_readme.py --check
+	@echo "== saved outputs fresh (make book)"
 	$(PY) tools/check_outputs.py
+	@echo "== site build (jupyter-book, offline)"
 	$(PY) tools/build_site.py
+	@echo "== browser check (headless chromium)"
 	$(PY) tools/browser_check.py
 
 test-slow: setup-slow
