@@ -1,5 +1,7 @@
 """Tokenizer (chapter 07): byte-level BPE from folders, GGUFs and tiktoken ranks; chat templates rendered
-exactly like transformers' `apply_chat_template`; the streaming detokenizer."""
+exactly like transformers' `apply_chat_template`; the streaming detokenizer.
+
+Tests that need the Qwen2.5-Coder GGUF (installed by `make setup-slow`) are marked slow."""
 import json
 import shutil
 import sys
@@ -81,7 +83,7 @@ def test_merges_from_ranks_runs_bpe():
         merges_from_ranks({b"a": 0, b"abc": 1})
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # needs the Qwen2.5-Coder GGUF chunks (make setup-slow)
 def test_merges_from_qwen_ranks_equal_qwen_merges(qwen25_meta):
     "Deriving merges from qwen.tiktoken reproduces, in order, the merges Qwen2.5 ships (stored in its GGUF)."
     derived = [f"{spell_bytes(a)} {spell_bytes(b)}" for a, b in merges_from_ranks(load_tiktoken_ranks(qwen_tiktoken_path()))]
@@ -112,6 +114,7 @@ def test_qwen3_fixture_nfc(qwen3):
     assert qwen3.encode("cafe\u0301") == qwen3.encode("café")  # Qwen normalizes to NFC first
 
 
+@pytest.mark.slow  # needs the Qwen2.5-Coder GGUF chunks (make setup-slow)
 def test_qwen3_fixture_matches_qwen25_gguf_tokenizer(qwen3, qwen25):
     "Same 151643 ranks: the tiktoken-built Qwen3 tokenizer and the GGUF-built Qwen2.5 one encode alike."
     for text in [t for t in TEXTS if "think>" not in t]:  # Qwen2.5 has no <think> token
@@ -139,6 +142,19 @@ def _folder(tmp_path, **files):
     for name, content in files.items():
         (tmp_path / name.replace("__", ".")).write_text(content if isinstance(content, str) else json.dumps(content))
     return tmp_path
+
+
+def test_reads_a_folder_transformers_saved(tmp_path, qwen3):
+    "transformers 5 writes chat_template.jinja beside tokenizer_config.json: we read what it wrote."
+    hf = hf_tokenizer(qwen3, QWEN3_CHAT_TEMPLATE)
+    hf.save_pretrained(tmp_path)
+    tok = Tokenizer.from_pretrained(tmp_path)
+    assert tok.chat_template == QWEN3_CHAT_TEMPLATE and tok.eos_token_ids == [151645]
+    assert tok.special_tokens == {k: v for k, v in hf.special_tokens_map.items()}
+    msgs = CONVERSATIONS["multi_turn"]
+    assert tok.apply_chat_template(msgs, enable_thinking=False) == hf.apply_chat_template(
+        msgs, tokenize=False, add_generation_prompt=True, enable_thinking=False)
+    assert tok.encode(TEXTS[4]) == hf.encode(TEXTS[4], add_special_tokens=False)
 
 
 def test_eos_ids_are_the_union_of_three_files(tmp_path):
@@ -225,7 +241,7 @@ def test_smollm2_gguf_tokenizer_matches_transformers(smol, smol_path):
         assert smol.decode(ids, skip_special_tokens=False) == hf.decode(ids, skip_special_tokens=False)
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # needs the Qwen2.5-Coder GGUF chunks (make setup-slow)
 def test_qwen25_gguf_tokenizer_matches_transformers(qwen25, qwen25_path):
     hf = _hf_from_gguf(qwen25_path)
     assert qwen25.eos_token_ids == [hf.eos_token_id] == [151645]
@@ -287,6 +303,7 @@ def test_smollm2_template_matches_transformers(smol):
                     "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n")
 
 
+@pytest.mark.slow  # needs the Qwen2.5-Coder GGUF chunks (make setup-slow)
 def test_qwen25_tool_template_matches_transformers(qwen25):
     assert "tool_call" in qwen25.chat_template
     _check_parity(qwen25, qwen25.chat_template)
