@@ -77,10 +77,12 @@ def drive(sched, model, arrivals, aborts, check_order=True):
         if step in aborts and sched.seqs:
             victim = sorted(sched.seqs)[aborts[step] % len(sched.seqs)]
             finished[victim] = sched.abort(victim)
-        waiting_before = set(map(id, sched.waiting))
+        waiting_before, had_work = set(map(id, sched.waiting)), sched.has_unfinished_requests()
         out = sched.schedule()
         check_invariants(sched)
         assert out.num_batched_tokens <= sched.max_num_batched_tokens and all(n >= 1 for n in out.num_new_tokens)
+        assert len(out) > 0 or not had_work, "unfinished requests but nothing scheduled: the scheduler stalled"
+        assert len(out.input_ids) == out.num_batched_tokens and len(out.logits_indices) == len(out.sampling_seqs)
         assert out.num_decodes == sum(n == 1 for n in out.num_new_tokens) and all(n == 1 for n in out.num_new_tokens[:out.num_decodes])
         assert len({s.seq_id for s in out.seqs}) == len(out.seqs) and not set(out.preempted_ids) & {s.seq_id for s in out.seqs}
         if check_order:   # admissions take the head of the queue: nobody admitted is less urgent than anyone left waiting
@@ -267,3 +269,44 @@ def test_lru_revives_freed_prefix_after_preemption():
     out = sched.schedule(); assert out.preempted_ids == [0]
     while sched.has_unfinished_requests(): out = sched.schedule(); sched.update(out, model.step(out))
     assert a.num_cached_tokens == 12 and a.output_token_ids == model.alone(a, 64)[0]
+
+
+def test_scheduler_drives_the_real_model():
+    "Scheduler + BlockManager + paged attention + the model, greedy in float64: the tokens of a no-cache loop, for each prompt alone."
+    import torch
+    from petite_llm.config import ModelConfig
+    from petite_llm.model import Qwen3ForCausalLM
+    from petite_llm.paging import AttentionMetadata, allocate_kv_cache
+    torch.manual_seed(0)
+    cfg = ModelConfig(model_type='qwen3', vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, rope_theta=1e6)
+    model = Qwen3ForCausalLM(cfg).to(torch.float64).eval()
+    rng = random.Random(0)
+    shared = [rng.randrange(97) for _ in range(13)]
+    prompts = [shared[:rng.randint(0, 13)] + [rng.randrange(97) for _ in range(rng.randint(1, 12))] for _ in range(8)]
+    prompts += [prompts[0], prompts[0][:8]]                                # a repeat (full prefix hit when 8 | len) and a prefix
+    max_tokens = 6
+
+    @torch.no_grad()
+    def reference(p):
+        ids = list(p)
+        for _ in range(max_tokens): ids.append(int(model(torch.tensor(ids), torch.arange(len(ids)))[-1].argmax()))
+        return ids[len(p):]
+
+    want = [reference(p) for p in prompts]
+    for bs, num_blocks, budget in ((1, 40, 8), (4, 10, 8), (16, 4, 16)):
+        bm = BlockManager(num_blocks, bs)
+        allocate_kv_cache(model, num_blocks, bs)
+        sched = Scheduler(bm, max_num_batched_tokens=budget, max_num_seqs=4, max_model_len=64)
+        for i, p in enumerate(prompts):
+            sched.add(Sequence(i, p, SamplingParams(max_tokens=max_tokens, ignore_eos=True), priority=i % 3))
+        got = {}
+        with torch.no_grad():
+            while sched.has_unfinished_requests():
+                out = sched.schedule()
+                md = AttentionMetadata.build([s.block_table for s in out.seqs], out.num_computed_tokens, out.num_new_tokens, bs)
+                hidden = model(torch.tensor(out.input_ids), md.positions, md)
+                logits = model.compute_logits(hidden[out.logits_indices])
+                for s in sched.update(out, logits.argmax(-1).tolist()): got[s.seq_id] = s.output_token_ids
+        assert [got[i] for i in range(len(prompts))] == want, f"block_size={bs}"
+        assert sched.num_preemptions > 0 and (bm.num_hit_tokens > 0 or bs == 16), (bs, sched.stats)   # prompts < 2 blocks of 16
