@@ -5,7 +5,7 @@
 # %% auto #0
 __all__ = ['DecoderLayer', 'Qwen3Model', 'Qwen3ForCausalLM']
 
-# %% ../nbs/05_model.ipynb #f7c7e513
+# %% ../nbs/05_model.ipynb #32792205
 import torch
 from torch import nn
 
@@ -14,7 +14,7 @@ from .layers.norm import RMSNorm
 from .layers.attention import Attention
 from .layers.mlp import MLP
 
-# %% ../nbs/05_model.ipynb #7f6b3411
+# %% ../nbs/05_model.ipynb #505e6717
 class DecoderLayer(nn.Module):
     "One transformer block: pre-norm attention and pre-norm SwiGLU MLP, each with a residual add."
     def __init__(self, config: ModelConfig, layer_idx: int = 0):
@@ -31,7 +31,7 @@ class DecoderLayer(nn.Module):
         residual = hidden
         return residual + self.mlp(self.post_attention_layernorm(hidden))
 
-# %% ../nbs/05_model.ipynb #27c32be0
+# %% ../nbs/05_model.ipynb #3a0b83ba
 class Qwen3Model(nn.Module):
     "Token embedding, a stack of DecoderLayers and a final RMSNorm."
     def __init__(self, config: ModelConfig):

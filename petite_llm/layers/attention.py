@@ -5,7 +5,7 @@
 # %% auto #0
 __all__ = ['MergedLinear', 'causal_attention', 'Attention']
 
-# %% ../../nbs/03_attention.ipynb #1d210bde
+# %% ../../nbs/03_attention.ipynb #c349fc37
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -14,7 +14,7 @@ from ..config import ModelConfig
 from .norm import RMSNorm
 from .rope import RotaryEmbedding
 
-# %% ../../nbs/03_attention.ipynb #ca1ead22
+# %% ../../nbs/03_attention.ipynb #0e0b4190
 class MergedLinear(nn.Linear):
     "A Linear whose output rows stack several projections (q/k/v, gate/up); loads each part by shard id."
     def __init__(self, in_features: int, out_sizes: list[int], bias: bool = False):
@@ -30,7 +30,7 @@ class MergedLinear(nn.Linear):
                              f"{(size, *param.shape[1:])}, got {tuple(loaded.shape)} (wrong config or checkpoint?)")
         with torch.no_grad(): param[start:start + size].copy_(loaded)
 
-# %% ../../nbs/03_attention.ipynb #71d07697
+# %% ../../nbs/03_attention.ipynb #0eb9fb1b
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
     "Causal attention over one sequence: q [T, n_heads, D], k/v [T, n_kv_heads, D] -> [T, n_heads, D]."
     group = q.shape[1] // k.shape[1]                       # query heads per kv head
@@ -40,7 +40,7 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
                                          is_causal=True, scale=scale)   # [n_heads, T, D]
     return out.transpose(0, 1)                             # [T, n_heads, D]
 
-# %% ../../nbs/03_attention.ipynb #5b18e9cc
+# %% ../../nbs/03_attention.ipynb #b042ce81
 class Attention(nn.Module):
     "Qwen3/Qwen2/Llama self-attention: fused qkv, optional QK-norm, RoPE, GQA, pluggable backend."
     def __init__(self, config: ModelConfig, layer_idx: int = 0):

@@ -5,14 +5,14 @@
 # %% auto #0
 __all__ = ['MLP']
 
-# %% ../../nbs/04_mlp.ipynb #a5447537
+# %% ../../nbs/04_mlp.ipynb #a20ab2ad
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from .attention import MergedLinear
 
-# %% ../../nbs/04_mlp.ipynb #37916b28
+# %% ../../nbs/04_mlp.ipynb #bb669994
 class MLP(nn.Module):
     "SwiGLU feed-forward: down(silu(gate(x)) * up(x)), gate and up fused in one matrix."
     def __init__(self, hidden_size: int, intermediate_size: int):

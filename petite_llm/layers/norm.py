@@ -5,11 +5,11 @@
 # %% auto #0
 __all__ = ['RMSNorm']
 
-# %% ../../nbs/01_rmsnorm.ipynb #a7718711
+# %% ../../nbs/01_rmsnorm.ipynb #f206ad1b
 import torch
 from torch import nn
 
-# %% ../../nbs/01_rmsnorm.ipynb #4ade0f64
+# %% ../../nbs/01_rmsnorm.ipynb #1e89d409
 class RMSNorm(nn.Module):
     "RMSNorm over the last dimension; statistics in float32, cast back before the weight (as transformers)."
     def __init__(self, hidden_size: int, eps: float = 1e-6):

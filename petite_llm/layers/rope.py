@@ -5,31 +5,32 @@
 # %% auto #0
 __all__ = ['rotate_half', 'RotaryEmbedding']
 
-# %% ../../nbs/02_rope.ipynb #945152d1
+# %% ../../nbs/02_rope.ipynb #968b98fc
 import torch
 from torch import nn
 
-# %% ../../nbs/02_rope.ipynb #bba5295b
+# %% ../../nbs/02_rope.ipynb #2d2d5635
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     "Swap the two halves of the last dimension and negate the new first half: [x1, x2] -> [-x2, x1]."
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
 
-# %% ../../nbs/02_rope.ipynb #66961924
+# %% ../../nbs/02_rope.ipynb #d9a0581e
 class RotaryEmbedding(nn.Module):
     "Rotary position embedding (half-split pairing) applied to q and k at per-token positions."
     def __init__(self, head_dim: int, rope_theta: float = 10000.0, max_position: int = 32768):
         super().__init__()
         self.head_dim, self.rope_theta, self.max_position = head_dim, rope_theta, max_position
         # Pitfall: the parentheses. `base ** arange / D` divides *after* the power.
-        inv_freq = 1.0 / (rope_theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))  # [D/2]
-        self.register_buffer('inv_freq', inv_freq, persistent=False)
+        # Computed on the CPU (as transformers does), even when the model is built on 'meta' or a GPU.
+        inv_freq = 1.0 / (rope_theta ** (torch.arange(0, head_dim, 2, dtype=torch.float, device='cpu') / head_dim))  # [D/2]
+        self._inv_freq_cpu = inv_freq                      # the exact values, kept out of .to() and to_empty()
+        self.register_buffer('inv_freq', inv_freq.to(torch.get_default_device()), persistent=False)
 
     def _apply(self, fn, recurse=True):
-        # .to(device) moves inv_freq, but .to(dtype) must not round it: keep it float32 whatever happens
-        inv_freq = self.inv_freq
+        # .to(device)/to_empty(device) move inv_freq; .to(dtype) must not round it: restore the float32 values
         super()._apply(fn, recurse)
-        self.inv_freq = inv_freq.to(self.inv_freq.device)
+        if self.inv_freq.device.type != 'meta': self.inv_freq = self._inv_freq_cpu.to(self.inv_freq.device)
         return self
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype):
