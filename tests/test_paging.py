@@ -210,3 +210,91 @@ def test_model_paged_matches_reference_path(bs, nkv):
         for ids, got in zip(seqs, logits):
             ref = model(ids, torch.arange(len(ids)))
             torch.testing.assert_close(torch.cat(got), ref, rtol=1e-9, atol=1e-9)
+
+
+# ---------------------------------------------------------------- the block manager alone, as a state machine
+
+from hypothesis import settings, strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+
+class BlockManagerMachine(RuleBasedStateMachine):
+    "Random allocate / compute+commit / append / truncate / free on a tiny pool; a fake cache records what each slot holds."
+
+    @initialize(num_blocks=st.integers(1, 12), bs=st.sampled_from([1, 2, 3, 4]), prefix_caching=st.booleans())
+    def setup(self, num_blocks, bs, prefix_caching):
+        self.bm, self.bs, self.seqs, self.slots = BlockManager(num_blocks, bs, prefix_caching), bs, [], {}
+        self.prefixes = [[1, 2, 3, 4, 5, 6, 7, 8, 9], [1, 2, 3, 4, 9, 9, 9, 9, 9], [7] * 9]
+
+    def slot(self, s, p): return s.block_table[p // self.bs] * self.bs + p % self.bs
+
+    @rule(which=st.integers(0, 2), n=st.integers(1, 9), tail=st.lists(st.integers(0, 3), max_size=3))
+    def add(self, which, n, tail):
+        s = Seq(self.prefixes[which][:n] + tail)
+        if not self.bm.can_allocate(s): return
+        free_before = self.bm.num_free_blocks
+        cached = self.bm.allocate(s)
+        assert cached % self.bs == 0 and cached < len(s.token_ids)            # full blocks only; never the whole sequence
+        for p in range(cached):                                               # a hit holds exactly this sequence's prefix
+            assert self.slots.get(self.slot(s, p)) == (s.token_ids[p], p)
+        assert len(s.block_table) == cdiv(len(s.token_ids), self.bs) and free_before >= self.bm.num_free_blocks
+        s.num_computed_tokens = cached
+        self.seqs.append(s)
+
+    @precondition(lambda self: self.seqs)
+    @rule(i=st.integers(0, 100), n=st.integers(1, 5))
+    def compute(self, i, n):
+        "Run n more of its tokens: write them into their slots, then commit (hash what became full)."
+        s = self.seqs[i % len(self.seqs)]
+        n = min(n, len(s.token_ids) - s.num_computed_tokens)
+        for p in range(s.num_computed_tokens, s.num_computed_tokens + n):
+            b = self.bm.blocks[s.block_table[p // self.bs]]
+            assert b.ref_count == 1 and b.hash is None, "writing into a shared or hashed block"
+            self.slots[self.slot(s, p)] = (s.token_ids[p], p)
+        s.num_computed_tokens += n
+        self.bm.commit(s)
+
+    @precondition(lambda self: self.seqs)
+    @rule(i=st.integers(0, 100), tok=st.integers(0, 3))
+    def append(self, i, tok):
+        "A decode: the sequence grows by one token once everything it has is computed."
+        s = self.seqs[i % len(self.seqs)]
+        if s.num_computed_tokens < len(s.token_ids) or not self.bm.can_append(s, 1): return
+        s.token_ids.append(tok)
+        self.bm.append_slots(s, 1)
+        assert len(s.block_table) == cdiv(len(s.token_ids), self.bs)
+
+    @precondition(lambda self: self.seqs)
+    @rule(i=st.integers(0, 100), k=st.integers(1, 3))
+    def truncate(self, i, k):
+        "Reject the last k uncommitted tokens (never below what is hashed)."
+        s = self.seqs[i % len(self.seqs)]
+        hashed = sum(self.bm.blocks[b].hash is not None for b in s.block_table) * self.bs
+        keep = max(len(s.token_ids) - k, hashed, 1)
+        del s.token_ids[keep:]
+        s.num_computed_tokens = min(s.num_computed_tokens, keep)
+        self.bm.truncate(s, keep)
+        assert len(s.block_table) == cdiv(keep, self.bs)
+
+    @precondition(lambda self: self.seqs)
+    @rule(i=st.integers(0, 100))
+    def free(self, i):
+        self.bm.free(self.seqs.pop(i % len(self.seqs)))
+
+    @invariant()
+    def consistent(self):
+        if not hasattr(self, 'bm'): return
+        bm, refs = self.bm, [0] * self.bm.num_blocks
+        for s in self.seqs:
+            for b in s.block_table: refs[b] += 1
+        assert [b.ref_count for b in bm.blocks] == refs
+        assert set(bm.free_ids) == {i for i, r in enumerate(refs) if r == 0}
+        assert bm.num_free_blocks + bm.num_used_blocks == bm.num_blocks
+        for h, bid in bm.cached.items():                                       # every cached block holds what its hash says
+            b = bm.blocks[bid]
+            assert b.hash == h and all(self.slots.get(bid * self.bs + j) is not None and self.slots[bid * self.bs + j][0] == t
+                                       for j, t in enumerate(b.token_ids))
+
+
+BlockManagerMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+TestBlockManagerMachine = BlockManagerMachine.TestCase
