@@ -49,11 +49,17 @@ class ModelConfig:
     eos_token_id: list[int] = field(default_factory=list)
 
     @property
-    def q_size(self) -> int: return self.num_attention_heads * self.head_dim
+    def q_size(self) -> int:
+        "Width of the query projection: num_attention_heads * head_dim."
+        return self.num_attention_heads * self.head_dim
+
     @property
-    def kv_size(self) -> int: return self.num_key_value_heads * self.head_dim
+    def kv_size(self) -> int:
+        "Width of the key (and of the value) projection: num_key_value_heads * head_dim."
+        return self.num_key_value_heads * self.head_dim
 
     def __post_init__(self):
+        "Validate the combination and normalise eos_token_id to a list and torch_dtype to a torch.dtype."
         if self.model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(f"model_type={self.model_type!r} is not supported; petite_llm runs {SUPPORTED_MODEL_TYPES}")
         if self.hidden_act != 'silu':

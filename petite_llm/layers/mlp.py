@@ -21,5 +21,6 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:   # [T, hidden] -> [T, hidden]
+        "down(silu(gate) * up) for each token of x."
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)   # each [T, intermediate]
         return self.down_proj(F.silu(gate) * up)
