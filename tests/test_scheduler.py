@@ -310,3 +310,22 @@ def test_scheduler_drives_the_real_model():
                 for s in sched.update(out, logits.argmax(-1).tolist()): got[s.seq_id] = s.output_token_ids
         assert [got[i] for i in range(len(prompts))] == want, f"block_size={bs}"
         assert sched.num_preemptions > 0 and (bm.num_hit_tokens > 0 or bs == 16), (bs, sched.stats)   # prompts < 2 blocks of 16
+
+
+@settings(max_examples=40, deadline=None)
+@given(prios=st.lists(st.integers(0, 3), min_size=2, max_size=10), prompt_len=st.integers(1, 20), max_tokens=st.integers(1, 10),
+       bs=st.sampled_from([1, 4]), budget=st.integers(4, 24), max_num_seqs=st.integers(1, 4), extra=st.integers(0, 6))
+def test_identical_requests_finish_in_urgency_order(prios, prompt_len, max_tokens, bs, budget, max_num_seqs, extra):
+    "Same work, all arriving at once: no request finishes after a less urgent one (higher priority, then earlier arrival)."
+    need = cdiv(prompt_len + max_tokens - 1, bs)
+    sched = Scheduler(BlockManager(need + extra, bs), max(budget, max_num_seqs), max_num_seqs, max_model_len=64)
+    model = FakeModel(bs, 50)
+    seqs = [Sequence(i, [i + 1] * prompt_len, SamplingParams(max_tokens=max_tokens, ignore_eos=True), priority=p) for i, p in enumerate(prios)]
+    for s in seqs: sched.add(s)
+    finished_at, step = {}, 0
+    while sched.has_unfinished_requests():
+        out = sched.schedule()
+        for s in sched.update(out, model.step(out)): finished_at[s.seq_id] = step
+        step += 1
+    order = sorted(seqs, key=lambda s: s.urgency)
+    assert [finished_at[s.seq_id] for s in order] == sorted(finished_at[s.seq_id] for s in order)
