@@ -135,3 +135,8 @@ def test_promises_picture():
     assert not nbtools.promises_picture({'cells': [code("#| gpu\nplt.savefig('../images/a.png')")]})
     assert nbtools.promises_picture({'cells': [code("#| gpu\nplt.savefig('../images/a.png')", [stream('x')])]})
     assert not nbtools.promises_picture({'cells': [md('no pictures'), code('x = 1')]})
+
+
+def test_check_outputs_allows_a_chapter_with_nothing_to_run(tmp_path):
+    nb = write_nb(tmp_path / '08_prose.ipynb', [md('# Prose only'), code('#| gpu\nrun_on_gpu()')])
+    assert check_outputs.problems(nb, is_chapter=True) == []

@@ -5,7 +5,7 @@
 - a code cell that has outputs has no hash, or a hash of a different source
   (the cell was edited after its output was saved), or
 - a code cell that `make book` ran (it has a hash) was edited since, even if it prints nothing, or
-- a chapter notebook has no executed cell at all (the book was never built), or
+- a chapter notebook with cells to run has no executed cell at all (the book was never built), or
 - a saved output is an error (a traceback would show on the site).
 Fix: `make book` (add FLAGS="slow" or FLAGS="gpu" for flagged cells), or clear the stale outputs.
 """
@@ -39,7 +39,8 @@ def problems(path: Path, is_chapter: bool) -> list[str]:
             res.append(f'{where} has outputs but no source hash: saved by hand, not by `make book`{hint}')
         elif h is not None and h != source_hash(cell):
             res.append(f'{where} was edited after `make book` saved its output')
-    if is_chapter and executed == 0:
+    runnable = any(c.get('cell_type') == 'code' and source(c).strip() and not skipped_by(c) for c in nb['cells'])
+    if is_chapter and runnable and executed == 0:
         res.append(f'{path.name}: no cell was executed by `make book` (the book was never built)')
     return res
 
