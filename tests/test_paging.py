@@ -183,6 +183,9 @@ def test_padding_slots_are_skipped():
     q, k, v = qkv(3, 2, 1, 4, g, torch.float64)
     out = md.backend.forward(q, k, v, (kc, vc), md, 0.5)
     assert torch.equal(kc[[0, 2]], before[[0, 2]]) and torch.equal(kc[1, 0], k[0]) and torch.isfinite(out).all()
+    md = AttentionMetadata.build([[0], [2]], [0, 0], [1, 1], 2)      # a batch of nothing but padding
+    md.slot_mapping[:] = -1; md.context_lens[:] = 0; md.context_lens_cpu = [0, 0]
+    assert torch.isfinite(md.backend.forward(q[:2], k[:2], v[:2], (kc, vc), md, 0.5)).all()
 
 
 @pytest.mark.parametrize("bs", [1, 4, 16])
