@@ -1,0 +1,294 @@
+"""The engine against Hugging Face transformers: greedy tokens in float64, logits in float32, seeded sampling, errors, text.
+
+Random-weight Qwen3 checkpoints are built with transformers and saved to a temporary folder, without tokenizer files:
+prompts are token ids. transformers' own `generate(do_sample=False)` on each prompt *alone* is the oracle; the engine
+runs all prompts together, with small blocks, tiny prefill budgets, prefix hits, preemption and mixed priorities.
+Greedy identity is checked in float64 (random weights give near-ties that fp32 rounding could flip); fp32 is checked
+on the logits of every generated position, within 1e-4 * max|logit|.
+"""
+import logging
+import random
+from dataclasses import replace
+
+import pytest
+import torch
+import transformers
+
+from petite_llm.config import ModelConfig
+from petite_llm.engine import LLM
+from petite_llm.paging import kv_bytes_per_block
+from petite_llm.sampling import SamplingParams
+
+VOCAB, EOS = 300, 2
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    "These models are tiny: one thread is faster than two, and far faster on a busy machine (no OpenMP barriers)."
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def _checkpoint(path, dtype, seed=0, **overrides):
+    "Save a random-weight Qwen3 (2 layers, hidden 64, 4 query heads on 2 KV heads, head_dim 16); return transformers' eager model."
+    kw = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=16, max_position_embeddings=256, tie_word_embeddings=False,
+              bos_token_id=1, eos_token_id=EOS, pad_token_id=0, initializer_range=0.2)   # large init: varied tokens
+    kw.update(overrides)
+    torch.manual_seed(seed)
+    transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**kw)).to(dtype).save_pretrained(path)
+    return transformers.Qwen3ForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="eager").eval()
+
+
+@pytest.fixture(scope="module")
+def f64(tmp_path_factory):
+    path = tmp_path_factory.mktemp("qwen3_f64")
+    return path, _checkpoint(path, torch.float64)
+
+
+@pytest.fixture(scope="module")
+def f32(tmp_path_factory):
+    path = tmp_path_factory.mktemp("qwen3_f32")
+    return path, _checkpoint(path, torch.float32, seed=1, tie_word_embeddings=True, num_key_value_heads=1)
+
+
+LENGTHS = [1, 2, 3, 7, 8, 9, 15, 16, 17, 24, 31, 32, 33, 48, 64, 70]
+
+def _prompts(seed=0, shared=0):
+    "16 prompts of mixed lengths (1 to 70 tokens); with `shared`, 14 of them start with the same `shared` tokens."
+    rng = random.Random(seed)
+    lengths = rng.sample(LENGTHS, len(LENGTHS))
+    prefix = [rng.randrange(3, VOCAB) for _ in range(shared)]
+    return [(prefix if shared and i >= 2 else []) + [rng.randrange(3, VOCAB) for _ in range(n)] for i, n in enumerate(lengths)]
+
+def _max_tokens(seed=0):
+    rng = random.Random(seed + 100)
+    return [rng.randint(3, 12) for _ in LENGTHS]
+
+_hf_cache = {}
+
+def hf_greedy(hf, prompt, max_new_tokens):
+    "transformers' greedy continuation of one prompt alone (stopping at eos, as the engine does)."
+    key = (id(hf), tuple(prompt), max_new_tokens)
+    if key not in _hf_cache:
+        ids = torch.tensor([prompt])
+        with torch.inference_mode():
+            out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
+                              eos_token_id=EOS, pad_token_id=0)
+        _hf_cache[key] = out[0, len(prompt):].tolist()
+    return _hf_cache[key]
+
+def _pool(path, num_blocks, block_size, dtype=torch.float64) -> int:
+    "kv_cache_memory bytes for exactly num_blocks blocks."
+    return num_blocks * kv_bytes_per_block(ModelConfig.from_pretrained(path), block_size, dtype)
+
+def _check_greedy(llm, hf, prompts, max_tokens, priority=None):
+    "All prompts in one generate call; each must equal transformers' greedy tokens for it alone."
+    sps = [SamplingParams(temperature=0, max_tokens=m) for m in max_tokens]
+    outs = llm.generate(prompts, sps, priority=priority, use_tqdm=False)
+    for i, (p, m, o) in enumerate(zip(prompts, max_tokens, outs)):
+        want = hf_greedy(hf, p, m)
+        assert o.token_ids == want, f"prompt {i} ({len(p)} tokens): engine {o.token_ids} != transformers {want}"
+        assert o.finish_reason == ('stop' if want[-1] == EOS else 'length')
+        assert o.prompt_token_ids == p
+    return outs
+
+
+@pytest.mark.parametrize("block_size,budget", [(16, 2048), (1, 2048), (4, 8), (16, 8)])
+def test_greedy_parity_f64(f64, block_size, budget):
+    "16 prompts together == each alone in transformers, for any block size and chunked-prefill budget, mixed priorities."
+    path, hf = f64
+    llm = LLM(path, block_size=block_size, max_num_batched_tokens=budget, kv_cache_memory=_pool(path, 4096 // block_size, block_size))
+    _check_greedy(llm, hf, _prompts(0), _max_tokens(0), priority=[i % 3 for i in range(16)])
+    s = llm.stats
+    assert s.kv_blocks_used == 0 and s.num_running == s.num_waiting == 0
+    assert s.num_generated_tokens == sum(len(hf_greedy(hf, p, m)) for p, m in zip(_prompts(0), _max_tokens(0)))
+    if budget == 8: assert s.num_steps > sum(LENGTHS) // 8   # prompts really were chunked
+
+
+def test_prefix_hits_and_full_hit_f64(f64):
+    "Prompts sharing a 40-token prefix hit the prefix cache (counted); a repeated prompt of whole blocks is a full hit."
+    path, hf = f64
+    llm = LLM(path, block_size=4, max_num_batched_tokens=48, kv_cache_memory=_pool(path, 512, 4))
+    prompts, mt = _prompts(1, shared=40), _max_tokens(1)
+    _check_greedy(llm, hf, prompts, mt, priority=[(i * 7) % 4 for i in range(16)])
+    bm = llm.engine.block_manager
+    assert bm.num_hit_tokens >= 40 and llm.stats.prefix_cache_hit_rate > 0
+    # a second pass: every full block of every prompt is cached now, except each prompt's last-token block
+    hits = bm.num_hit_tokens
+    _check_greedy(llm, hf, prompts, mt)
+    assert bm.num_hit_tokens - hits == sum((len(p) - 1) // 4 * 4 for p in prompts)
+    # the full hit: 32 tokens = 8 whole blocks, all cached; the last token must still be computed
+    full = prompts[0][:32] if len(prompts[0]) >= 32 else prompts[2][:32]
+    _check_greedy(llm, hf, [full], [6])
+    hits = bm.num_hit_tokens
+    _check_greedy(llm, hf, [full], [6])
+    assert bm.num_hit_tokens - hits == 28
+
+
+def test_preemption_parity_f64(f64):
+    "A pool of 24 blocks of 4 tokens for 16 requests: preemptions happen (counted) and change no token."
+    path, hf = f64
+    llm = LLM(path, block_size=4, max_num_batched_tokens=64, kv_cache_memory=_pool(path, 24, 4))
+    _check_greedy(llm, hf, _prompts(0), [12] * 16, priority=[(i * 5) % 3 for i in range(16)])
+    assert llm.stats.num_preemptions > 0
+    assert llm.stats.kv_blocks_used == 0
+
+
+def test_logits_f32(f32):
+    "fp32, small blocks, chunks and preemption: every generated position's logits within 1e-4 * max|logit| of transformers'."
+    path, hf = f32
+    llm = LLM(path, block_size=4, max_num_batched_tokens=64, kv_cache_memory=_pool(path, 24, 4, torch.float32))
+    rows, run = {}, llm.engine.runner.run
+    def recording_run(so):
+        out = run(so)
+        for s, row in zip(out.seqs, out.logits): rows.setdefault(tuple(s.prompt_token_ids), []).append(row.clone())
+        return out
+    llm.engine.runner.run = recording_run
+    prompts = _prompts(2)
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
+    assert llm.stats.num_preemptions > 0
+    for p, o in zip(prompts, outs):
+        full = torch.tensor([p + o.token_ids])
+        with torch.inference_mode(): want = hf(full).logits[0, len(p) - 1:len(p) - 1 + len(o.token_ids)]   # [n, V]
+        got = torch.stack(rows[tuple(p)])
+        assert got.shape == want.shape
+        err = (got - want).abs().max().item()
+        assert err <= 1e-4 * want.abs().max().item(), f"{len(p)}-token prompt: max |logit difference| {err:.2e}"
+
+
+def test_seeded_sampling_is_batch_and_preemption_invariant(f64):
+    "A seeded request draws the same tokens alone, in any batch order, and after preemption."
+    path, hf = f64
+    prompts = _prompts(3)
+    sps = [SamplingParams(temperature=0.9, top_k=50, top_p=0.95, seed=100 + i, max_tokens=10) for i in range(16)]
+    llm = LLM(path, block_size=4, kv_cache_memory=_pool(path, 1024, 4))
+    alone = {i: llm.generate([prompts[i]], sps[i], use_tqdm=False)[0].token_ids for i in (0, 5, 11)}
+    batch = [o.token_ids for o in llm.generate(prompts, sps, use_tqdm=False)]
+    assert all(batch[i] == alone[i] for i in alone)
+    rev = [o.token_ids for o in llm.generate(prompts[::-1], sps[::-1], use_tqdm=False)][::-1]
+    assert rev == batch
+    tiny = LLM(path, block_size=4, max_num_batched_tokens=128, kv_cache_memory=_pool(path, 24, 4))
+    squeezed = [o.token_ids for o in tiny.generate(prompts, sps, priority=[i % 2 for i in range(16)], use_tqdm=False)]
+    assert tiny.stats.num_preemptions > 0
+    assert squeezed == batch
+    unseeded = llm.generate(prompts[:2], SamplingParams(temperature=0.9, max_tokens=10), use_tqdm=False)
+    assert all(len(o.token_ids) >= 1 for o in unseeded)
+
+
+def test_n_samples(f64):
+    "n > 1: n completions; greedy samples all equal transformers; seeded samples are reproducible and differ."
+    path, hf = f64
+    llm = LLM(path, block_size=4, kv_cache_memory=_pool(path, 256, 4))
+    p = _prompts(4)[0] + [7] * 9
+    out = llm.generate([p], SamplingParams(n=3, temperature=0, max_tokens=6), use_tqdm=False)[0]
+    assert [c.index for c in out.outputs] == [0, 1, 2]
+    assert all(c.token_ids == hf_greedy(hf, p, 6) for c in out.outputs)
+    sp = SamplingParams(n=4, temperature=1.0, seed=3, max_tokens=8)
+    a = [c.token_ids for c in llm.generate(p, sp, use_tqdm=False)[0].outputs]
+    b = [c.token_ids for c in llm.generate(p, sp, use_tqdm=False)[0].outputs]
+    assert a == b and len({tuple(x) for x in a}) > 1
+    assert llm.stats.kv_blocks_used == 0
+
+
+def test_refusals_keep_the_engine_running(f64, caplog):
+    "Too long for max_model_len or for the whole pool: a clear ValueError before scheduling; the next request runs."
+    path, hf = f64
+    with caplog.at_level(logging.INFO, logger="petite_llm.engine"):
+        llm = LLM(path, block_size=4, kv_cache_memory=_pool(path, 16, 4), max_model_len=128)
+    assert "KV cache: 16 blocks" in caplog.text and llm.kv_cache_memory == _pool(path, 16, 4)
+    with pytest.raises(ValueError, match=r"200 tokens.*max_model_len=128"):
+        llm.generate([[5] * 200], SamplingParams(max_tokens=4), use_tqdm=False)
+    with pytest.raises(ValueError, match=r"needs 20 KV blocks but the whole pool has 16"):
+        llm.generate([[5] * 40], SamplingParams(max_tokens=41), use_tqdm=False)
+    with pytest.raises(ValueError, match=r"token ids"):
+        llm.generate([[5, VOCAB]], use_tqdm=False)
+    with pytest.raises(ValueError, match=r"without a tokenizer"):
+        llm.generate("hello", use_tqdm=False)
+    with pytest.raises(ValueError, match=r"3 prompts, 2 sampling_params"):
+        llm.generate([[5], [6], [7]], [SamplingParams(), SamplingParams()], use_tqdm=False)
+    # one bad prompt in a batch: nothing of the call stays queued
+    with pytest.raises(ValueError):
+        llm.generate([[5] * 4, [5] * 200], use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests() and llm.stats.kv_blocks_used == 0
+    _check_greedy(llm, hf, [[5, 6, 7, 8, 9]], [8])
+
+
+def test_step_abort_and_deltas(f64):
+    "step() streams deltas that add up to the final output; abort frees blocks and reports 'abort' on the next step."
+    path, hf = f64
+    llm = LLM(path, block_size=4, kv_cache_memory=_pool(path, 64, 4))
+    eng = llm.engine
+    keep = eng.add_request([11, 12, 13, 14, 15], SamplingParams(temperature=0, max_tokens=9), priority=1)
+    drop = eng.add_request(list(range(20, 50)), SamplingParams(temperature=0, max_tokens=9))
+    deltas, final = [], {}
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            if out.request_id == keep: deltas += out.outputs[0].delta_token_ids
+            if out.finished: final[out.request_id] = out
+        if eng.stats.num_steps == 2: assert eng.abort(drop) and not eng.abort("no-such-request")
+    assert final[drop].finish_reason == "abort" and final[drop].finished
+    assert deltas == final[keep].token_ids == hf_greedy(hf, [11, 12, 13, 14, 15], 9)
+    m = final[keep].metrics
+    assert m.time_to_first_token > 0 and m.num_output_tokens == len(deltas)
+    assert len(deltas) < 2 or m.time_per_output_token > 0
+    assert eng.stats.kv_blocks_used == 0
+
+
+def test_logprobs_match_transformers(f64):
+    "logprobs=k: the top-k of the raw distribution (plus the chosen token) at every step, as transformers computes it."
+    path, hf = f64
+    llm = LLM(path, block_size=4, kv_cache_memory=_pool(path, 64, 4))
+    p = [3, 1, 4, 1, 5, 9, 2, 6]
+    o = llm.generate([p], SamplingParams(temperature=0, max_tokens=5, logprobs=3), use_tqdm=False)[0]
+    lps = o.outputs[0].logprobs
+    assert len(lps) == len(o.token_ids)
+    with torch.inference_mode():
+        want = hf(torch.tensor([p + o.token_ids])).logits[0, len(p) - 1:-1].float().log_softmax(-1)
+    for step, (d, t) in enumerate(zip(lps, o.token_ids)):
+        top = want[step].topk(3)
+        assert list(d)[:3] == top.indices.tolist() and t in d
+        assert max(abs(d[i] - want[step, i].item()) for i in d) < 1e-5
+
+
+def test_text_stop_strings_chat_and_stream(tmp_path):
+    "With a real Qwen3 tokenizer: text equals decode(tokens); stop strings cut text and finish; chat; stream; early close aborts."
+    qwen3_tokenizer = pytest.importorskip("qwen3_tokenizer")
+    try: qwen3_tokenizer.write_qwen3_tokenizer(tmp_path)
+    except Exception as e: pytest.skip(f"no offline Qwen3 tokenizer here: {e}")
+    _checkpoint(tmp_path, torch.float32, vocab_size=151936, hidden_size=32, intermediate_size=64, num_attention_heads=2,
+                num_key_value_heads=1, tie_word_embeddings=True, bos_token_id=151643, eos_token_id=151645, initializer_range=0.5)
+    llm = LLM(tmp_path, block_size=8, kv_cache_memory=64 * 2**20)
+    tok = llm.tokenizer
+    sp = SamplingParams(temperature=0, max_tokens=24)
+    out = llm.generate("Hello, world", sp, use_tqdm=False)[0]
+    assert out.prompt == "Hello, world" and out.prompt_token_ids == tok.encode("Hello, world", add_special_tokens=True)
+    assert out.text == tok.decode(out.token_ids) and out.finish_reason in ("length", "stop")
+    text = out.text
+    stop = text[len(text) // 2:len(text) // 2 + 2]
+    if stop.strip():
+        cut = llm.generate("Hello, world", replace(sp, stop=[stop]), use_tqdm=False)[0]
+        assert cut.finish_reason == "stop" and cut.outputs[0].stop_reason == stop
+        assert cut.text == text[:text.index(stop)]
+    # chat: the prompt is the chat template's rendering
+    conv = [{"role": "user", "content": "Hi!"}]
+    c = llm.chat(conv, sp, enable_thinking=False, use_tqdm=False)[0]
+    assert c.prompt_token_ids == tok.apply_chat_template(conv, enable_thinking=False, tokenize=True)
+    # stream: deltas add up to the text generate() gives
+    assert "".join(llm.stream(conv, sp, enable_thinking=False)) == c.text
+    it = llm.stream("Hello, world", sp)
+    next(iter(it), None)
+    it.close()   # the caller stops listening: the request is aborted and its blocks freed
+    assert not llm.engine.requests and llm.stats.kv_blocks_used == 0
+
+
+def test_default_kv_budget_is_logged(f64, caplog):
+    "Without kv_cache_memory the CPU budget comes from available memory (capped), is logged and readable."
+    path, hf = f64
+    with caplog.at_level(logging.INFO, logger="petite_llm.engine"):
+        llm = LLM(path, max_num_seqs=4)
+    assert "available memory" in caplog.text
+    assert 0 < llm.kv_cache_memory <= 4 * 256 * kv_bytes_per_block(ModelConfig.from_pretrained(path), 1, torch.float64)
+    _check_greedy(llm, hf, _prompts(0)[:4], _max_tokens(0)[:4])
