@@ -1,0 +1,140 @@
+"""The petite-llm command: the demo answers, --help works, bad arguments exit 2 with a message."""
+import io
+import subprocess
+import sys
+from contextlib import redirect_stderr, redirect_stdout
+
+import pytest
+
+from petite_llm.cli import ThinkSplitter, build_parser, main
+
+
+def run(argv, stdin=None, monkeypatch=None):
+    out, err = io.StringIO(), io.StringIO()
+    with redirect_stdout(out), redirect_stderr(err):
+        try: code = main(argv)
+        except SystemExit as e: code = e.code
+    return code, out.getvalue(), err.getvalue()
+
+
+def test_demo_answers_paris():
+    code, out, err = run(['generate', '--chat', '--temperature', '0', '--max-tokens', '48', 'What is the capital of France?'])
+    assert code == 0, err
+    assert 'Paris' in out
+    assert 'tok/s' in err and 'tokens' in err          # the summary line goes to stderr
+    assert 'tok/s' not in out
+
+
+@pytest.mark.parametrize('argv', [['--help'], ['generate', '--help'], ['chat', '--help']])
+def test_help(argv):
+    code, out, _ = run(argv)
+    assert code == 0 and 'usage: petite-llm' in out
+
+
+def test_help_is_fast_and_works_as_a_script():
+    r = subprocess.run([sys.executable, '-c', 'import sys; from petite_llm.cli import main; sys.exit(main())', '--help'],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and 'generate' in r.stdout and 'chat' in r.stdout and 'bench' in r.stdout
+
+
+@pytest.mark.parametrize('argv,msg', [
+    (['generate', '--max-tokens', 'lots', 'hi'], "invalid int value: 'lots'"),
+    (['generate', '--dtype', 'int3', 'hi'], 'invalid choice'),
+    (['frobnicate'], 'invalid choice'),
+    ([], 'required'),
+    (['generate', '--no-such-flag', 'hi'], 'unrecognized arguments'),
+    (['generate', '--system', 'be nice', 'hi'], '--system only makes sense with --chat'),
+])
+def test_bad_arguments_exit_2(argv, msg):
+    code, _, err = run(argv)
+    assert code == 2 and msg in err, err
+
+
+@pytest.mark.parametrize('argv,msg', [
+    (['--temperature', '-0.5'], '--temperature must be a number >= 0'),
+    (['--top-p', '0'], '--top-p must be in (0, 1]'),
+    (['--top-k', '-3'], '--top-k must be'),
+    (['--max-tokens', '0'], '--max-tokens must be an int >= 1'),
+    (['--presence-penalty', '5'], '--presence-penalty must be in [-2, 2]'),
+])
+def test_invalid_sampling_values_exit_2(argv, msg):
+    code, _, err = run(['generate', *argv, 'hi'])
+    assert code == 2 and msg in err, err
+    assert 'Traceback' not in err
+
+
+def test_missing_model_is_a_clear_error(tmp_path):
+    code, _, err = run(['generate', '--model', str(tmp_path / 'nope'), 'hi'])
+    assert code == 1 and 'error' in err and 'Traceback' not in err
+
+
+def test_think_splitter_handles_split_tags():
+    text = '<think>\nhmm, France.\n</think>\n\nParis.'
+    for chunks in ([text], list(text), [text[:3], text[3:12], text[12:30], text[30:]]):
+        s = ThinkSplitter()
+        pieces = [p for c in chunks for p in s.feed(c)] + s.finish()
+        assert ''.join(t for k, t in pieces if k == 'think') == '\nhmm, France.\n'
+        assert ''.join(t for k, t in pieces if k == 'answer') == '\n\nParis.'
+
+
+def test_parser_has_the_subcommands():
+    p = build_parser()
+    a = p.parse_args(['generate', '--chat', '--seed', '3', '--stop', 'x', '--stop', 'y', 'a', 'b'])
+    assert a.prompt == ['a', 'b'] and a.stop == ['x', 'y'] and a.seed == 3 and a.chat
+    assert p.parse_args(['bench', '--quick', '--out', 'x']).args == ['--quick', '--out', 'x']
+
+
+class FakeRunner:
+    "Stands in for the model: replies are scripted; '!' in a reply acts as Ctrl-C at that point."
+    model_name, device, generation_config = 'fake', 'cpu', {}
+
+    def __init__(self, replies):
+        self.replies, self.conversations = list(replies), []
+
+    def chat_prompt(self, messages, **kw):
+        self.conversations.append([dict(m) for m in messages])
+        return [1, 2, 3]
+
+    def stream(self, prompt, params, priority=0):
+        from petite_llm.generate import GenerationResult, GenerationStream
+        reply = self.replies.pop(0)
+
+        def steps():
+            for ch in reply:
+                if ch == '!': raise KeyboardInterrupt
+                yield ch
+            return GenerationResult(reply, [7] * len(reply), 'stop', prompt, elapsed=0.5, time_to_first_token=0.1)
+        return GenerationStream(steps())
+
+
+def test_chat_repl_history_think_and_ctrl_c(monkeypatch):
+    import petite_llm.cli as cli
+    fake = FakeRunner(['<think>pondering</think>Paris.', 'Lyon is big!ger', 'Hi.'])
+    monkeypatch.setattr(cli, '_load', lambda args: fake)
+    monkeypatch.setattr('sys.stdin', io.StringIO('capital?\nsecond city?\n/reset\nhello\n'))
+    code, out, err = run(['chat', '--temperature', '0'])
+    assert code == 0
+    assert '<think>pondering</think>Paris.' in out                 # not a terminal: reasoning shown between its tags
+    assert 'Lyon is big' in out and 'ger' not in out and '[stopped]' in err   # Ctrl-C ended the reply, not the REPL
+    c1, c2, c3 = fake.conversations
+    assert c1 == [{'role': 'user', 'content': 'capital?'}]
+    assert c2[1] == {'role': 'assistant', 'content': 'Paris.'}     # the reasoning is not kept in the history
+    assert c2[2:] == [{'role': 'user', 'content': 'second city?'}]
+    assert c3 == [{'role': 'user', 'content': 'hello'}]             # /reset forgot the conversation
+    assert 'tok/s' in err
+
+
+def test_explain_lines():
+    from petite_llm.cli import explain_lines
+    from petite_llm.generate import GenerationResult
+
+    class Tok:
+        def __len__(self): return 100
+        def decode(self, ids, skip_special_tokens=True): return ''.join(f'<{i}>' for i in ids)
+    lps = [{5: -0.1, 6: -2.5, 7: -3.0}, {9: -0.5, 8: -1.2, 3: -2.0, 4: -2.2, 2: -3.0, 1: -4.0, 42: -9.0}]
+    r = GenerationResult('x', [5, 42], 'length', [1, 2, 3], logprobs=lps)
+    text = '\n'.join(explain_lines(Tok(), r))
+    assert 'The prompt is 3 tokens' in text and 'step 1 (after the prefill)' in text and "after reading '<5>'" in text
+    assert "-> " in text and '90.48%' in text                       # exp(-0.1), the chosen token of step 1
+    step2 = text.split('step 2')[1]
+    assert "'<42>'" in step2 and "'<1>'" not in step2               # the top 5, plus the chosen one from outside them
