@@ -43,6 +43,7 @@ def test_help_is_fast_and_works_as_a_script():
     (['frobnicate'], 'invalid choice'),
     ([], 'required'),
     (['generate', '--no-such-flag', 'hi'], 'unrecognized arguments'),
+    (['generate', '--priority', 'high', 'hi'], 'expected comma-separated integers'),
     (['generate', '--system', 'be nice', 'hi'], '--system only makes sense with --chat'),
 ])
 def test_bad_arguments_exit_2(argv, msg):
@@ -138,3 +139,43 @@ def test_explain_lines():
     assert "-> " in text and '90.48%' in text                       # exp(-0.1), the chosen token of step 1
     step2 = text.split('step 2')[1]
     assert "'<42>'" in step2 and "'<1>'" not in step2               # the top 5, plus the chosen one from outside them
+
+
+@pytest.fixture(scope='module')
+def loaded():
+    "One engine on the default model, shared by the tests below (loading is most of their time)."
+    import petite_llm.cli as cli
+    return cli.Runner(cli.default_model(), 'auto', 'auto')
+
+
+@pytest.fixture
+def shared_runner(monkeypatch, loaded):
+    import petite_llm.cli as cli
+    monkeypatch.setattr(cli, '_load', lambda args: loaded)
+
+
+def test_several_prompts_batched_with_priorities(shared_runner):
+    code, out, err = run(['generate', '--chat', '--temperature', '0', '--max-tokens', '12', '--priority', '0,5',
+                          'What is the capital of France?', 'What is the capital of Italy?'])
+    assert code == 0, err
+    assert '=== [0] What is the capital of France?' in out and '=== [1] What is the capital of Italy?' in out
+    assert 'Paris' in out.split('=== [1]')[0]
+
+
+def test_priority_needs_one_value_per_prompt():
+    code, _, err = run(['generate', '--priority', '1,2', 'only one prompt'])
+    assert code == 2 and '--priority needs one value per prompt' in err
+
+
+@pytest.mark.slow
+def test_no_cache_loop_answers_too():
+    code, out, err = run(['generate', '--no-cache', '--chat', '--temperature', '0', '--max-tokens', '48',
+                          'What is the capital of France?'])
+    assert code == 0 and 'Paris' in out, err
+
+
+def test_explain_through_the_engine(shared_runner):
+    code, out, err = run(['generate', '--chat', '--temperature', '0', '--max-tokens', '4', '--explain',
+                          'What is the capital of France?'])
+    assert code == 0, err
+    assert 'The prompt is' in out and 'Prefill' in out and 'step 4' in out and out.count('->') == 4
