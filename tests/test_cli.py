@@ -1,5 +1,7 @@
 """The petite-llm command: the demo answers, --help works, bad arguments exit 2 with a message."""
 import io
+import os
+import signal
 import subprocess
 import sys
 from contextlib import redirect_stderr, redirect_stdout
@@ -86,7 +88,7 @@ def test_parser_has_the_subcommands():
 
 
 class FakeRunner:
-    "Stands in for the model: replies are scripted; '!' in a reply acts as Ctrl-C at that point."
+    "Stands in for the model: replies are scripted; a '!' in a reply sends SIGINT (Ctrl-C) at that point."
     model_name, device, generation_config = 'fake', 'cpu', {}
 
     def __init__(self, replies):
@@ -102,8 +104,8 @@ class FakeRunner:
 
         def steps():
             for ch in reply:
-                if ch == '!': raise KeyboardInterrupt
-                yield ch
+                if ch == '!': os.kill(os.getpid(), signal.SIGINT)   # the user presses Ctrl-C mid-reply
+                else: yield ch
             return GenerationResult(reply, [7] * len(reply), 'stop', prompt, elapsed=0.5, time_to_first_token=0.1)
         return GenerationStream(steps())
 
@@ -117,6 +119,7 @@ def test_chat_repl_history_think_and_ctrl_c(monkeypatch):
     assert code == 0
     assert '<think>pondering</think>Paris.' in out                 # not a terminal: reasoning shown between its tags
     assert 'Lyon is big' in out and 'ger' not in out and '[stopped]' in err   # Ctrl-C ended the reply, not the REPL
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler      # and the usual Ctrl-C is back
     c1, c2, c3 = fake.conversations
     assert c1 == [{'role': 'user', 'content': 'capital?'}]
     assert c2[1] == {'role': 'assistant', 'content': 'Paris.'}     # the reasoning is not kept in the history
