@@ -7,8 +7,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from petite_llm.bench import (SHAPES, add_arguments, linear_shapes, make_random_checkpoint, make_requests, run,
-                              shape_config, weight_bytes)
+from petite_llm.bench import (SHAPES, add_arguments, linear_shapes, make_random_checkpoint, make_requests,
+                              packed_linear_available, run, shape_config, weight_bytes)
 
 
 def _parse(*argv):
@@ -61,6 +61,7 @@ def test_quick_run_prints_json_and_writes_outputs(tmp_path, capsys):
     assert res['transformers']['batch_size'] in (1, 4, 8, 16)
     assert set(res['transformers']['batch_size_tok_s']) == {1, 4, 8, 16}
     assert res['linear_bound']['tok_s'] > 0 and res['memory_read_gb_s'] > 0
+    if packed_linear_available(torch.bfloat16): assert res['linear_bound_packed']['tok_s'] > 0
     for k in ('prefill_vs_transformers', 'decode_vs_transformers', 'offline_vs_transformers', 'decode_vs_linear_bound'):
         assert res['ratios'][k] > 0
     assert res['lengths']['offline_output_tokens'] == res['petite_llm']['offline_output_tokens']
