@@ -88,7 +88,9 @@ class CompletionOutput:
     delta_token_ids: list[int] = field(default_factory=list)
 
     @property
-    def finished(self) -> bool: return self.finish_reason is not None
+    def finished(self) -> bool:
+        "True once a finish_reason is set."
+        return self.finish_reason is not None
 
 @dataclass
 class RequestMetrics:
@@ -172,6 +174,7 @@ class _Request:
                              all(c.finished for c in self.completions), replace(self.metrics))
 
 def _as_list(x) -> list:
+    "None → [], a scalar → [x], a list or tuple → a list."
     return [] if x is None else list(x) if isinstance(x, (list, tuple)) else [x]
 
 def _read_generation_config(path) -> dict:
@@ -395,9 +398,11 @@ LLMEngine.stats = property(_stats)
 
 # %% ../nbs/14_engine.ipynb #dd9ab168
 def _is_token_ids(p) -> bool:
+    "True for one prompt given as token ids (a non-empty list of ints)."
     return isinstance(p, (list, tuple)) and len(p) > 0 and all(isinstance(t, int) and not isinstance(t, bool) for t in p)
 
 def _is_conversation(m) -> bool:
+    "True for one conversation (a non-empty list of message dicts)."
     return isinstance(m, (list, tuple)) and len(m) > 0 and all(isinstance(x, dict) for x in m)
 
 class LLM:
