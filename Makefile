@@ -86,7 +86,7 @@ test-slow: setup-slow
 
 book: setup
 	$(BIN)/nbdev_export
-	$(PY) tools/run_notebooks.py $(if $(FLAGS),--flags $(FLAGS)) $(NB)
+	$(PY) tools/run_notebooks.py $(if $(FLAGS),--flags "$(FLAGS)") $(NB)
 	$(PY) tools/toc.py
 	$(PY) tools/make_readme.py
 

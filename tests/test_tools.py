@@ -140,3 +140,11 @@ def test_promises_picture():
 def test_check_outputs_allows_a_chapter_with_nothing_to_run(tmp_path):
     nb = write_nb(tmp_path / '08_prose.ipynb', [md('# Prose only'), code('#| gpu\nrun_on_gpu()')])
     assert check_outputs.problems(nb, is_chapter=True) == []
+
+
+def test_run_notebooks_refuses_a_path_given_as_a_flag(tmp_path):
+    nb = write_nb(tmp_path / '09_flags.ipynb', [code('print(1)')])
+    r = subprocess.run([sys.executable, str(ROOT / 'tools' / 'run_notebooks.py'), '--flags', f'slow {nb}'],
+                       cwd=ROOT, capture_output=True, text=True)
+    assert r.returncode == 2 and 'unknown flag' in r.stderr
+    assert json.loads(nb.read_text())['cells'][0]['outputs'] == []

@@ -3,7 +3,7 @@
 Each notebook runs in its own fresh Python process, in-process through execnb's CaptureShell
 (as `nbdev_test` does), with the working directory set to nbs/. Cells flagged with a test flag
 (`#| slow`, `#| gpu`) or `#| eval: false` are skipped and KEEP their saved outputs, so a figure
-measured on a GPU survives a CPU build; pass `--flags slow gpu` to run them too. Every cell that
+measured on a GPU survives a CPU build; `--flags slow` (or `--flags "slow gpu"`) runs them too. Every cell that
 runs gets its new outputs (or none) and `metadata.petite_llm.source_hash = sha256(source)`, which
 tools/check_outputs.py compares with the source to find outputs older than their cell.
 A notebook whose cell raises is not written: the traceback and the cell are printed instead.
@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from nbtools import HASH_KEY, NBS, ROOT, settings, skipped_by, source_hash  # noqa: E402
+from nbtools import HASH_KEY, NBS, ROOT, settings, skipped_by, source_hash, test_flags  # noqa: E402
 
 
 def run_one(path: Path, run_flags: set[str]) -> int:
@@ -79,13 +79,19 @@ def main(argv=None) -> int:
     """Run the chosen notebooks, each in a fresh process; non-zero if any failed."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument('notebooks', nargs='*', type=Path, help='notebooks to run (default: all of nbs/)')
-    ap.add_argument('--flags', nargs='*', default=[], help='test flags whose cells to run too (slow, gpu)')
+    ap.add_argument('--flags', default='', help='test flags whose cells to run too, one string: "slow" or "slow gpu"')
     ap.add_argument('--one', action='store_true', help=argparse.SUPPRESS)  # child mode: run in this process
     args = ap.parse_args(argv)
-    flags = {f for fl in args.flags for f in fl.replace(',', ' ').split()}
+    flags = set(args.flags.replace(',', ' ').split())
+    if flags - test_flags():
+        ap.error(f'unknown flag(s) {sorted(flags - test_flags())}: settings.ini tst_flags has {sorted(test_flags())}'
+                 ' (pass several as one string, --flags "slow gpu", before or after the notebooks)')
     if args.one:
         return run_one(args.notebooks[0], flags)
     nbs = args.notebooks or default_notebooks()
+    missing = [str(p) for p in nbs if not Path(p).is_file()]
+    if missing:
+        ap.error(f'no such notebook: {", ".join(missing)}')
     if not nbs:
         print('no notebooks found in nbs/', file=sys.stderr)
         return 1
@@ -93,7 +99,7 @@ def main(argv=None) -> int:
     for nb in nbs:
         cmd = [sys.executable, __file__, '--one', str(Path(nb).resolve())]
         if flags:
-            cmd += ['--flags', *sorted(flags)]
+            cmd += ['--flags', ' '.join(sorted(flags))]
         if subprocess.call(cmd, cwd=ROOT) != 0:
             failed.append(Path(nb).name)
     print(f'{len(nbs) - len(failed)} notebooks executed and saved, {len(failed)} failed'
