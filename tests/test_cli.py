@@ -46,6 +46,7 @@ def test_help_is_fast_and_works_as_a_script():
     ([], 'required'),
     (['generate', '--no-such-flag', 'hi'], 'unrecognized arguments'),
     (['generate', '--priority', 'high', 'hi'], 'expected comma-separated integers'),
+    (['generate', '--explain', 'one', 'two'], '--explain narrates one generation'),
     (['generate', '--system', 'be nice', 'hi'], '--system only makes sense with --chat'),
 ])
 def test_bad_arguments_exit_2(argv, msg):
