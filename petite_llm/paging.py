@@ -244,7 +244,9 @@ class TorchAttentionBackend:
     "Reference paged attention: store new K/V by slot, gather each sequence's context by block table, scaled_dot_product_attention."
     name = 'torch'
 
-    def __init__(self): self._scratch: dict[str, torch.Tensor] = {}
+    def __init__(self, batch_decodes: bool | None = None):
+        self.batch_decodes = batch_decodes   # None: batched on a GPU (one call), one sequence at a time on a CPU (no padded work)
+        self._scratch: dict[str, torch.Tensor] = {}
 
     def scratch(self, name: str, numel: int, like: torch.Tensor) -> torch.Tensor:
         "A reusable flat buffer of at least numel elements: a fresh large CPU tensor costs a page fault per 4 KiB, more than the copy."
@@ -258,7 +260,9 @@ class TorchAttentionBackend:
         k_cache, v_cache = kv_cache                                    # [num_blocks, block_size, nkv, hd]
         store_kv(k, v, k_cache, v_cache, md.slot_mapping)
         bs, out = k_cache.shape[1], torch.empty_like(q)
-        if nd := md.num_decodes:                                       # one query per sequence: one batched call
+        batched = q.is_cuda if self.batch_decodes is None else self.batch_decodes
+        nd = md.num_decodes if batched else 0
+        if nd:                                                         # one query per sequence: one batched call
             nblk = max(1, cdiv(max(md.context_lens_cpu[:nd]), bs))     # gather no further than the longest decode
             table = md.block_tables[:nd, :nblk]                        # [D, nblk]
             size = table.numel() * k_cache[0].numel()
@@ -269,8 +273,8 @@ class TorchAttentionBackend:
             qd = q[:md.num_decode_tokens].unsqueeze(2)                 # [D, nh, 1, hd]
             out[:md.num_decode_tokens] = _sdpa(qd, kd, vd, mask[:, None, None, :], scale).squeeze(2)
         qsl, ctx = md.query_start_loc_cpu, md.context_lens_cpu
-        for i in range(nd, len(ctx)):                                  # prefill chunks, one sequence at a time
-            s, e, c = qsl[i], qsl[i + 1], ctx[i]
+        for i in range(nd, len(ctx)):                                  # prefill chunks (and unbatched decodes), one sequence at a time
+            s, e, c = qsl[i], qsl[i + 1], max(ctx[i], 1)               # a padding row (len 0) attends to slot 0, not to nothing
             table = md.block_tables[i, :cdiv(c, bs)]
             size = table.numel() * k_cache[0].numel()
             ki = gather_blocks(k_cache, table, self.scratch('k', size, k_cache))[:c].transpose(0, 1)   # [nkv, c, hd]

@@ -119,7 +119,7 @@ def qkv(T, nh, nkv, hd, g, dtype):
     return r(nh), r(nkv), r(nkv)
 
 
-def run_paged(seqs, steps, bs, nh, nkv, hd, dtype, seed=0):
+def run_paged(seqs, steps, bs, nh, nkv, hd, dtype, seed=0, batch_decodes=None):
     "Run each sequence's q/k/v through the paged backend in the given steps [(seq, n new)...]; outputs per sequence."
     g = torch.Generator().manual_seed(seed)
     nblocks = sum(cdiv(len(q), bs) for q, _, _ in seqs) + 3
@@ -127,7 +127,7 @@ def run_paged(seqs, steps, bs, nh, nkv, hd, dtype, seed=0):
     perm = torch.randperm(nblocks, generator=g).tolist()
     tables = [[perm.pop() for _ in range(cdiv(len(q), bs))] for q, _, _ in seqs]
     done, outs = [0] * len(seqs), [[] for _ in seqs]
-    backend = TorchAttentionBackend()
+    backend = TorchAttentionBackend(batch_decodes)
     for step in steps:
         md = AttentionMetadata.build([tables[i] for i, _ in step], [done[i] for i, _ in step], [n for _, n in step], bs, backend=backend)
         cat = lambda j: torch.cat([seqs[i][j][done[i]:done[i] + n] for i, n in step])
@@ -153,12 +153,13 @@ def random_steps(rng, lens, budget):
 @pytest.mark.parametrize("bs", [1, 4, 16])
 @pytest.mark.parametrize("nh,nkv", [(4, 4), (6, 2), (4, 1)])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
-def test_backend_matches_causal_attention(bs, nh, nkv, dtype):
+@pytest.mark.parametrize("batch_decodes", [True, False])   # the GPU's batched decodes and the CPU's one-at-a-time, both checked here
+def test_backend_matches_causal_attention(bs, nh, nkv, dtype, batch_decodes):
     rng, g, hd = random.Random(bs * 100 + nh * 10 + nkv), torch.Generator().manual_seed(bs + nh + nkv), 8
     for trial in range(2):
         lens = [rng.randint(1, 40) for _ in range(rng.randint(1, 5))]
         seqs = [qkv(T, nh, nkv, hd, g, dtype) for T in lens]
-        outs = run_paged(seqs, random_steps(rng, lens, 12), bs, nh, nkv, hd, dtype, seed=trial)
+        outs = run_paged(seqs, random_steps(rng, lens, 12), bs, nh, nkv, hd, dtype, seed=trial, batch_decodes=batch_decodes)
         for (q, k, v), o in zip(seqs, outs):
             torch.testing.assert_close(o, causal_attention(q, k, v, hd ** -0.5))
 
@@ -175,15 +176,18 @@ def test_metadata_fields():
     with pytest.raises(ValueError, match="cannot hold"): AttentionMetadata.build([[0]], [3], [2], 4)
 
 
-def test_padding_slots_are_skipped():
+@pytest.mark.parametrize("batch_decodes", [True, False])
+def test_padding_slots_are_skipped(batch_decodes):
     g = torch.Generator().manual_seed(0)
     kc = torch.randn(3, 2, 1, 4, generator=g, dtype=torch.float64); vc = kc.clone(); before = kc.clone()
-    md = AttentionMetadata.build([[1], [0], [2]], [0, 0, 0], [1, 1, 1], 2)
+    be = TorchAttentionBackend(batch_decodes)
+    md = AttentionMetadata.build([[1], [0], [2]], [0, 0, 0], [1, 1, 1], 2, backend=be)
+    md.context_lens_cpu = [1, 0, 0]
     md.slot_mapping[1:] = -1; md.context_lens[1:] = 0
     q, k, v = qkv(3, 2, 1, 4, g, torch.float64)
     out = md.backend.forward(q, k, v, (kc, vc), md, 0.5)
     assert torch.equal(kc[[0, 2]], before[[0, 2]]) and torch.equal(kc[1, 0], k[0]) and torch.isfinite(out).all()
-    md = AttentionMetadata.build([[0], [2]], [0, 0], [1, 1], 2)      # a batch of nothing but padding
+    md = AttentionMetadata.build([[0], [2]], [0, 0], [1, 1], 2, backend=be)      # a batch of nothing but padding
     md.slot_mapping[:] = -1; md.context_lens[:] = 0; md.context_lens_cpu = [0, 0]
     assert torch.isfinite(md.backend.forward(q[:2], k[:2], v[:2], (kc, vc), md, 0.5)).all()
 
