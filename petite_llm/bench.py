@@ -10,12 +10,13 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from .engine import PackedLinear, packed_linear_available
+
 # %% auto #0
 __all__ = ['SHAPES', 'FULL', 'QUICK', 'as_dtype', 'dtype_name', 'shape_config', 'default_cache_dir', 'make_random_checkpoint',
-           'linear_shapes', 'weight_bytes', 'memory_read_gb_s', 'packed_linear_available', 'linear_bound',
-           'TransformersPeer', 'PetitePeer', 'make_requests', 'measure_prefill_decode', 'measure_offline',
-           'choose_batch_size', 'run_benchmark', 'ratios', 'plot_results', 'add_arguments', 'run', 'profile_decode',
-           'scoreboard']
+           'linear_shapes', 'weight_bytes', 'memory_read_gb_s', 'linear_bound', 'TransformersPeer', 'PetitePeer',
+           'make_requests', 'measure_prefill_decode', 'measure_offline', 'choose_batch_size', 'run_benchmark', 'ratios',
+           'plot_results', 'add_arguments', 'run', 'profile_decode', 'scoreboard']
 
 # %% ../nbs/17_benchmarks.ipynb #57b5590e
 SHAPES = {
@@ -110,13 +111,8 @@ def memory_read_gb_s(nbytes: int = 1 << 29, repeats: int = 5, device='cpu') -> f
     x.sum()  # first touch
     return nbytes / min(_timed(x.sum, device) for _ in range(repeats)) / 1e9
 
-def packed_linear_available(dtype, device='cpu') -> bool:
-    "Whether oneDNN's prepacked linear (the kernel torch.compile's CPU freezing uses) runs here for this dtype."
-    return (torch.device(device).type == 'cpu' and torch.backends.mkldnn.is_available()
-            and as_dtype(dtype) in (torch.bfloat16, torch.float32) and hasattr(torch.ops.mkldnn, '_reorder_linear_weight'))
-
 def linear_bound(cfg: dict, dtype=torch.bfloat16, device='cpu', repeats: int = 5, packed: bool = False) -> dict:
-    "Time eager F.linear (or oneDNN's prepacked linear) over the model's weight shapes for one batch-1 token."
+    "Time eager F.linear (or chapter 14's PackedLinear) over the model's weight shapes for one batch-1 token."
     dtype, shapes = as_dtype(dtype), linear_shapes(cfg)
     if packed and not packed_linear_available(dtype, device): raise ValueError(f"no prepacked linear for {dtype} on {device}")
     g = torch.Generator(device=device).manual_seed(0)
@@ -126,9 +122,9 @@ def linear_bound(cfg: dict, dtype=torch.bfloat16, device='cpu', repeats: int = 5
     nbytes = sum(w.numel() for w in ws) * ws[0].element_size()
     with torch.inference_mode():
         if packed:  # one weight at a time, so the plain copy is freed as its packed twin appears
-            for k, w in enumerate(ws): ws[k] = (torch.ops.mkldnn._reorder_linear_weight(w, 1), w.shape[1])
+            for k, w in enumerate(ws): ws[k] = PackedLinear(w)
             def step():
-                for w, i in ws: torch.ops.mkldnn._linear_pointwise(xs[i], w, None, 'none', [], '')  # [1, out]
+                for lin in ws: lin(xs[lin.in_features])  # [1, out]
         else:
             def step():
                 for w in ws: F.linear(xs[w.shape[1]], w)  # [1, out]

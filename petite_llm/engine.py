@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
+from torch import nn
 from tqdm.auto import tqdm
 
 from .paging import (AttentionMetadata, BlockManager, TorchAttentionBackend, allocate_kv_cache,
@@ -24,8 +25,9 @@ from .tokenizer import IncrementalDetokenizer, Tokenizer
 logger = logging.getLogger(__name__)
 
 # %% auto #0
-__all__ = ['logger', 'CPU_KV_FRACTION', 'CPU_KV_CAP', 'ModelRunnerOutput', 'ModelRunner', 'CompletionOutput', 'RequestMetrics',
-           'RequestOutput', 'default_kv_cache_memory', 'LLMEngine', 'EngineStats', 'LLM']
+__all__ = ['logger', 'CPU_KV_FRACTION', 'CPU_KV_CAP', 'ModelRunnerOutput', 'ModelRunner', 'packed_linear_available',
+           'PackedLinear', 'prepack_linears', 'CompletionOutput', 'RequestMetrics', 'RequestOutput',
+           'default_kv_cache_memory', 'LLMEngine', 'EngineStats', 'LLM']
 
 # %% ../nbs/14_engine.ipynb #f0c44ed1
 @dataclass
@@ -73,6 +75,38 @@ def _plain_greedy(p: SamplingParams, seq: Sequence) -> bool:
     "Greedy with nothing that could move the argmax (penalties, min_tokens still masking) and no logprobs to report."
     return (p.greedy and p.repetition_penalty == 1.0 and p.presence_penalty == 0 and p.frequency_penalty == 0
             and p.logprobs is None and seq.num_output_tokens >= p.min_tokens)
+
+# %% ../nbs/14_engine.ipynb #3432c018
+def packed_linear_available(dtype: torch.dtype, device='cpu') -> bool:
+    "Whether oneDNN's prepacked linear runs here for this dtype (CPU only; bfloat16 needs oneDNN's bf16 support)."
+    if torch.device(device).type != 'cpu' or not torch.backends.mkldnn.is_available(): return False
+    if not hasattr(torch.ops.mkldnn, '_reorder_linear_weight'): return False
+    if dtype == torch.bfloat16: return torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    return dtype == torch.float32
+
+class PackedLinear(nn.Module):
+    "x @ weight.T + bias with the weight reordered once into oneDNN's blocked layout (CPU)."
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1)   # opaque; laid out for 1-row inputs (decode)
+        self.bias = None if bias is None else bias.detach()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:   # [T, in] -> [T, out]
+        "The product F.linear(x, weight, bias) computes."
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, 'none', [], '')
+
+    def extra_repr(self): return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+def prepack_linears(model: nn.Module) -> int:
+    "Swap every nn.Linear of a bfloat16 CPU model for a PackedLinear (the same bits, faster); return how many."
+    p = next(model.parameters())
+    if p.dtype != torch.bfloat16 or not packed_linear_available(p.dtype, p.device): return 0
+    linears = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
+               if isinstance(child, nn.Linear)]
+    for parent, name, lin in linears: setattr(parent, name, PackedLinear(lin.weight, lin.bias))  # frees the plain weight (not a tied one)
+    return len(linears)
+
 
 # %% ../nbs/14_engine.ipynb #4a528a27
 @dataclass
@@ -246,6 +280,7 @@ class LLMEngine:
             path = resolve_model_path(model)
             device = torch.device(device if device is not None else 'cuda' if torch.cuda.is_available() else 'cpu')
             net = load_model(path, dtype=_dtype(dtype), device=device)
+            if n := prepack_linears(net): logger.info("packed %d linear layers for oneDNN (bfloat16 on CPU)", n)
         if isinstance(tokenizer, (str, os.PathLike)) or (tokenizer is None and path is not None):
             try: tokenizer = Tokenizer.from_pretrained(tokenizer or path)
             except (FileNotFoundError, ValueError) as e:

@@ -15,9 +15,10 @@ import torch
 import transformers
 
 from petite_llm.config import ModelConfig
-from petite_llm.engine import LLM
+from petite_llm.engine import LLM, PackedLinear, packed_linear_available, prepack_linears
 from petite_llm.paging import kv_bytes_per_block
 from petite_llm.sampling import SamplingParams
+from petite_llm.weights import load_model
 
 VOCAB, EOS = 300, 2
 
@@ -293,3 +294,44 @@ def test_default_kv_budget_is_logged(f64, caplog):
     assert "available memory" in caplog.text
     assert 0 < llm.kv_cache_memory <= 4 * 256 * kv_bytes_per_block(ModelConfig.from_pretrained(path), 1, torch.float64)
     _check_greedy(llm, hf, _prompts(0)[:4], _max_tokens(0)[:4])
+
+
+# ---------------------------------------------------------------- bfloat16 on a CPU: linear layers packed for oneDNN
+
+@pytest.mark.skipif(not packed_linear_available(torch.bfloat16), reason="this CPU's oneDNN has no bfloat16 kernels")
+@pytest.mark.parametrize("arch", ["qwen3", "qwen2"])   # Qwen3 with a tied lm_head; Qwen2 untied, with q/k/v biases
+def test_packed_bf16_engine_gives_the_same_bits(tmp_path, arch):
+    "An engine loaded from a bf16 folder packs every linear layer, and its logits and tokens are those of the plain model."
+    if arch == "qwen3": _checkpoint(tmp_path, torch.bfloat16, seed=3, tie_word_embeddings=True)
+    else:
+        torch.manual_seed(3)
+        cfg = transformers.Qwen2Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                                       tie_word_embeddings=False, bos_token_id=1, eos_token_id=EOS, initializer_range=0.2)
+        model = transformers.Qwen2ForCausalLM(cfg)
+        with torch.no_grad():
+            for m in model.modules():
+                if isinstance(m, torch.nn.Linear) and m.bias is not None: m.bias.normal_(0, 0.2)   # biases start at 0: make them count
+        model.to(torch.bfloat16).save_pretrained(tmp_path)
+    llm = LLM(str(tmp_path), kv_cache_memory=1 << 20, max_num_batched_tokens=16)
+    packed, plain = llm.engine.model, load_model(tmp_path)
+    n_linear = sum(isinstance(m, torch.nn.Linear) for m in plain.modules())
+    assert n_linear == 4 * 2 + 1 and sum(isinstance(m, PackedLinear) for m in packed.modules()) == n_linear
+    assert not any(isinstance(m, torch.nn.Linear) for m in packed.modules())
+    prompts = _prompts(seed=4)[:6]
+    with torch.inference_mode():
+        for p in prompts:
+            ids = torch.tensor(p)
+            assert torch.equal(packed(ids, torch.arange(len(p))), plain(ids, torch.arange(len(p))))   # every position's logits
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=3)
+    plain_llm = LLM(plain, kv_cache_memory=1 << 20, max_num_batched_tokens=16)            # a model passed in is not packed
+    assert not any(isinstance(m, PackedLinear) for m in plain_llm.engine.model.modules())
+    for a, b in zip(llm.generate(prompts, sp, use_tqdm=False), plain_llm.generate(prompts, sp, use_tqdm=False)):
+        assert a.token_ids == b.token_ids and a.outputs[0].logprobs == b.outputs[0].logprobs
+
+
+def test_only_bf16_is_packed(f32):
+    "float32 and float64 keep F.linear: packing would change their last bits (fp32) or has no kernel (fp64)."
+    for dtype in (torch.float32, torch.float64):
+        model = load_model(f32[0], dtype=dtype)
+        assert prepack_linears(model) == 0 and not any(isinstance(m, PackedLinear) for m in model.modules())
