@@ -406,7 +406,9 @@ def scoreboard(res: dict) -> str:
                  + (f"prepacked linear {res['linear_bound_packed']['tok_s']:.1f} tok/s; " if 'linear_bound_packed' in res else '')
                  + f"memory read {res['memory_read_gb_s']:.1f} GB/s -> roofline {res['roofline_tok_s']:.1f} tok/s")
     if 'decode_vs_linear_bound' in res['ratios']:
-        lines.append(f"petite_llm batch-1 decode = {res['ratios']['decode_vs_linear_bound']:.0%} of the F.linear bound")
+        r = res['ratios']
+        lines.append(f"petite_llm batch-1 decode = {r['decode_vs_linear_bound']:.0%} of the F.linear bound"
+                     + (f", {r['decode_vs_packed_linear_bound']:.0%} of the packed bound" if 'decode_vs_packed_linear_bound' in r else ''))
     if 'transformers' in res:
         lines.append(f"transformers static batch size: {res['transformers']['batch_size']} (best of "
                      + ', '.join(f'{b}: {v:.1f}' for b, v in res['transformers']['batch_size_tok_s'].items()) + ' tok/s)')

@@ -55,7 +55,7 @@ def run_one(path: Path, run_flags: set[str]) -> int:
         cell['execution_count'] = None
         cell.setdefault('metadata', {})[HASH_KEY] = {'source_hash': source_hash(cell)}
         ran += 1
-        if time.time() - t0 > 30:
+        if time.time() - t0 > 30 and not skipped_by(cell):
             print(f'  {path.name}: cell {cell.idx_} took {time.time() - t0:.0f}s '
                   '(unflagged cells should take seconds; flag long ones `#| slow`)', flush=True)
     d = nb2dict(nb)
