@@ -233,11 +233,11 @@ def gather_blocks(cache: torch.Tensor, table: torch.Tensor, scratch: torch.Tenso
     return out.view(*table.shape[:-1], table.shape[-1] * cache.shape[1], *cache.shape[2:])
 
 def _sdpa(q, k, v, mask, scale):
-    "q [B, nh, Lq, hd], k/v [B, nkv, Lk, hd], bool mask [B or 1, 1, Lq or 1, Lk] -> [B, nh, Lq, hd]."
+    "q [B, nh, Lq, hd], k/v [B, nkv, Lk, hd], bool mask [B or 1, 1, Lq or 1, Lk] or None (see everything) -> [B, nh, Lq, hd]."
     B, nh, Lq, hd = q.shape
     g = nh // k.shape[1]   # GQA: query heads j*g … j*g+g-1 share kv head j, so they ride along as extra query rows
     q = q.reshape(B, k.shape[1], g * Lq, hd)                           # rows ordered (head in group, query)
-    if mask.shape[-2] > 1: mask = mask.repeat(1, 1, g, 1)              # one copy of the mask per head in the group
+    if mask is not None and mask.shape[-2] > 1: mask = mask.repeat(1, 1, g, 1)              # one copy of the mask per head in the group
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale).reshape(B, nh, Lq, hd)
 
 class TorchAttentionBackend:
@@ -279,7 +279,9 @@ class TorchAttentionBackend:
             size = table.numel() * k_cache[0].numel()
             ki = gather_blocks(k_cache, table, self.scratch('k', size, k_cache))[:c].transpose(0, 1)   # [nkv, c, hd]
             vi = gather_blocks(v_cache, table, self.scratch('v', size, v_cache))[:c].transpose(0, 1)
-            q_pos = torch.arange(c - (e - s), c, device=q.device)     # absolute positions of the chunk's queries
-            mask = torch.arange(c, device=q.device)[None, :] <= q_pos[:, None]             # [q, c]
-            out[s:e] = _sdpa(q[s:e].transpose(0, 1)[None], ki[None], vi[None], mask[None, None], scale)[0].transpose(0, 1)
+            mask = None                                                # a decode: its one query sees its whole context
+            if e - s > 1:
+                q_pos = torch.arange(c - (e - s), c, device=q.device) # absolute positions of the chunk's queries
+                mask = (torch.arange(c, device=q.device)[None, :] <= q_pos[:, None])[None, None]   # [1, 1, q, c]
+            out[s:e] = _sdpa(q[s:e].transpose(0, 1)[None], ki[None], vi[None], mask, scale)[0].transpose(0, 1)
         return out
