@@ -237,7 +237,8 @@ def _sdpa(q, k, v, mask, scale):
     B, nh, Lq, hd = q.shape
     g = nh // k.shape[1]   # GQA: query heads j*g … j*g+g-1 share kv head j, so they ride along as extra query rows
     q = q.reshape(B, k.shape[1], g * Lq, hd)                           # rows ordered (head in group, query)
-    if mask is not None and mask.shape[-2] > 1: mask = mask.repeat(1, 1, g, 1)              # one copy of the mask per head in the group
+    if mask is not None and mask.shape[-2] > 1:
+        mask = mask.repeat(1, 1, g, 1)                                 # one copy of the mask per head in the group
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale).reshape(B, nh, Lq, hd)
 
 class TorchAttentionBackend:
