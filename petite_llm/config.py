@@ -12,19 +12,25 @@ from typing import Any
 import torch
 
 # %% auto #0
-__all__ = ['SUPPORTED_MODEL_TYPES', 'ModelConfig', 'read_gguf_metadata']
+__all__ = ['DTYPES', 'SUPPORTED_MODEL_TYPES', 'parse_dtype', 'ModelConfig', 'read_gguf_metadata']
 
 # %% ../nbs/00_config.ipynb #85d1b4f4
-_DTYPES = {'float32': torch.float32, 'float': torch.float32, 'float16': torch.float16, 'half': torch.float16,
-           'bfloat16': torch.bfloat16, 'float64': torch.float64, 'double': torch.float64}
+# Every spelling of a dtype a user, a config.json or a command line may use, in one table
+DTYPES = {'float32': torch.float32, 'fp32': torch.float32, 'float': torch.float32,
+          'bfloat16': torch.bfloat16, 'bf16': torch.bfloat16,
+          'float16': torch.float16, 'fp16': torch.float16, 'half': torch.float16,
+          'float64': torch.float64, 'fp64': torch.float64, 'double': torch.float64}
 
-def _parse_dtype(v) -> torch.dtype | None:
-    "A config's dtype string ('bfloat16', 'torch.float16') as a `torch.dtype`; None stays None."
-    if v is None or isinstance(v, torch.dtype): return v
-    name = str(v).removeprefix('torch.')
-    if name == 'auto': return None
-    if name not in _DTYPES: raise ValueError(f"unknown dtype {v!r} in config (expected one of {sorted(_DTYPES)})")
-    return _DTYPES[name]
+def parse_dtype(v) -> torch.dtype | None:
+    "A dtype or its name ('bfloat16', 'bf16', 'torch.float16') as a `torch.dtype`; None and 'auto' → None."
+    if v is None or isinstance(v, torch.dtype):
+        return v
+    name = str(v).removeprefix('torch.').lower()
+    if name == 'auto':
+        return None
+    if name not in DTYPES:
+        raise ValueError(f"unknown dtype {v!r}: use one of {sorted(DTYPES)} or 'auto'")
+    return DTYPES[name]
 
 @dataclass
 class ModelConfig:
@@ -70,7 +76,7 @@ class ModelConfig:
         if self.head_dim % 2: raise ValueError(f"head_dim={self.head_dim} must be even for RoPE")
         if isinstance(self.eos_token_id, int): self.eos_token_id = [self.eos_token_id]
         self.eos_token_id = list(self.eos_token_id or [])
-        self.torch_dtype = _parse_dtype(self.torch_dtype)
+        self.torch_dtype = parse_dtype(self.torch_dtype)
 
 SUPPORTED_MODEL_TYPES = ('qwen3', 'qwen2', 'llama')
 
@@ -124,7 +130,7 @@ def _from_dict(cls, d: dict) -> ModelConfig:
                tie_word_embeddings=bool(d.get('tie_word_embeddings', False)),
                attention_bias=(mt == 'qwen2'), qk_norm=(mt == 'qwen3'),
                hidden_act=d.get('hidden_act', 'silu'),
-               torch_dtype=_parse_dtype(d.get('dtype', d.get('torch_dtype'))),
+               torch_dtype=parse_dtype(d.get('dtype', d.get('torch_dtype'))),
                bos_token_id=d.get('bos_token_id'), eos_token_id=d.get('eos_token_id'))
 
 ModelConfig.from_dict = _from_dict
