@@ -1,4 +1,4 @@
-"""The book's toolchain (tools/): directives, the reader's view, `make book` hashes, the stale-output check."""
+"""The book's tools: directives, the reader's view, `make book` hashes, stale outputs."""
 import json
 import subprocess
 import sys
@@ -8,6 +8,7 @@ import nbformat
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
+RUN_NOTEBOOKS = [sys.executable, str(ROOT / 'tools' / 'run_notebooks.py')]
 sys.path.insert(0, str(ROOT / 'tools'))
 import check_outputs  # noqa: E402
 import nbtools  # noqa: E402
@@ -15,7 +16,8 @@ import toc  # noqa: E402
 
 
 def code(src, outputs=(), **meta):
-    return {'cell_type': 'code', 'source': src, 'outputs': list(outputs), 'metadata': meta, 'execution_count': None}
+    return {'cell_type': 'code', 'source': src, 'outputs': list(outputs), 'metadata': meta,
+            'execution_count': None}
 
 
 def md(src):
@@ -26,9 +28,10 @@ def stream(text):
     return {'output_type': 'stream', 'name': 'stdout', 'text': [text]}
 
 
-@pytest.mark.parametrize('src,flag', [('#| slow\nx=1', 'slow'), ('#|slow\nx=1', 'slow'), ('#|  gpu\nx=1', 'gpu'),
-                                      ('#| export\n#| slow\nx=1', 'slow'), ('#| eval: false\nx=1', 'eval: false'),
-                                      ('#| export\nx=1', None), ('x=1\n#| slow', None), ('# slow\nx=1', None)])
+@pytest.mark.parametrize('src,flag', [
+    ('#| slow\nx=1', 'slow'), ('#|slow\nx=1', 'slow'), ('#|  gpu\nx=1', 'gpu'),
+    ('#| export\n#| slow\nx=1', 'slow'), ('#| eval: false\nx=1', 'eval: false'),
+    ('#| export\nx=1', None), ('x=1\n#| slow', None), ('# slow\nx=1', None)])
 def test_skipped_by_reads_leading_directives_only(src, flag):
     assert nbtools.skipped_by(code(src)) == flag
 
@@ -45,7 +48,8 @@ def test_book_view_strips_directives_and_drops_hidden_cells():
                     code('#| echo: false\nplot()'), code('#| include: false\nx = 1')],
           'metadata': {}, 'nbformat': 4, 'nbformat_minor': 5}
     cells = nbtools.book_view(nb)['cells']
-    assert [c['source'] for c in cells] == ['# Toy\n> summary', 'def f(): pass', 'print("hi")', 'plot()']
+    assert [c['source'] for c in cells] == ['# Toy\n> summary', 'def f(): pass', 'print("hi")',
+                                            'plot()']
     assert cells[2]['outputs'] == out  # saved outputs of a skipped cell stay on the page
     assert cells[3]['metadata']['tags'] == ['remove-input']
     assert not any('#|' in c['source'] for c in cells)
@@ -63,9 +67,11 @@ def write_nb(path, cells):
 def test_check_outputs_finds_stale_missing_and_error_outputs(tmp_path):
     fresh = code('print(1)', [stream('1\n')])
     fresh['metadata'] = {'petite_llm': {'source_hash': nbtools.source_hash(fresh)}}
-    edited = code('print(2)', [stream('1\n')], petite_llm={'source_hash': nbtools.source_hash(code('print(1)'))})
+    edited = code('print(2)', [stream('1\n')],
+                  petite_llm={'source_hash': nbtools.source_hash(code('print(1)'))})
     by_hand = code('#| slow\nprint(3)', [stream('3\n')])
-    error = code('1/0', [{'output_type': 'error', 'ename': 'ZeroDivisionError', 'evalue': '', 'traceback': []}],
+    raised = {'output_type': 'error', 'ename': 'ZeroDivisionError', 'evalue': '', 'traceback': []}
+    error = code('1/0', [raised],
                  petite_llm={'source_hash': nbtools.source_hash(code('1/0'))})
     silent = code('x = 1')  # prints nothing and was never run: fine
     nb = write_nb(tmp_path / '03_x.ipynb', [fresh, edited, by_hand, error, silent])
@@ -86,11 +92,11 @@ def test_check_outputs_fails_a_chapter_never_built(tmp_path):
 def test_run_notebooks_saves_outputs_and_hashes_keeps_flagged_outputs(tmp_path):
     kept = [stream('measured on a GPU\n')]
     nb = write_nb(tmp_path / '06_run.ipynb', [
-        md('# Run'), code('#| export\ndef double(x): return 2 * x'), code('print(double(21))', [stream('stale\n')]),
+        md('# Run'), code('#| export\ndef double(x): return 2 * x'),
+        code('print(double(21))', [stream('stale\n')]),
         code('#| gpu\nraise RuntimeError("must not run")', kept), code('double(5)'),
         code('#| slow\nprint("slow")')])
-    subprocess.run([sys.executable, str(ROOT / 'tools' / 'run_notebooks.py'), str(nb)], check=True, cwd=ROOT,
-                   capture_output=True)
+    subprocess.run(RUN_NOTEBOOKS + [str(nb)], check=True, cwd=ROOT, capture_output=True)
     cells = json.loads(nb.read_text())['cells']
     assert ''.join(cells[2]['outputs'][0]['text']) == '42\n'
     assert cells[3]['outputs'] == kept and 'petite_llm' not in cells[3]['metadata']
@@ -106,8 +112,7 @@ def test_run_notebooks_saves_outputs_and_hashes_keeps_flagged_outputs(tmp_path):
 def test_run_notebooks_does_not_save_a_failing_notebook(tmp_path):
     nb = write_nb(tmp_path / '07_fail.ipynb', [code('print("ok")'), code('1/0')])
     before = nb.read_text()
-    r = subprocess.run([sys.executable, str(ROOT / 'tools' / 'run_notebooks.py'), str(nb)], cwd=ROOT,
-                       capture_output=True, text=True)
+    r = subprocess.run(RUN_NOTEBOOKS + [str(nb)], cwd=ROOT, capture_output=True, text=True)
     assert r.returncode == 1 and 'ZeroDivisionError' in r.stderr and 'NOT saved' in r.stderr
     assert nb.read_text() == before
 
@@ -133,7 +138,8 @@ def test_promises_picture():
     assert nbtools.promises_picture({'cells': [md('![](../images/a.png)')]})
     assert nbtools.promises_picture({'cells': [code("#| slow\nplt.savefig('../images/a.png')")]})
     assert not nbtools.promises_picture({'cells': [code("#| gpu\nplt.savefig('../images/a.png')")]})
-    assert nbtools.promises_picture({'cells': [code("#| gpu\nplt.savefig('../images/a.png')", [stream('x')])]})
+    ran_on_gpu = code("#| gpu\nplt.savefig('../images/a.png')", [stream('x')])
+    assert nbtools.promises_picture({'cells': [ran_on_gpu]})
     assert not nbtools.promises_picture({'cells': [md('no pictures'), code('x = 1')]})
 
 
@@ -144,7 +150,7 @@ def test_check_outputs_allows_a_chapter_with_nothing_to_run(tmp_path):
 
 def test_run_notebooks_refuses_a_path_given_as_a_flag(tmp_path):
     nb = write_nb(tmp_path / '09_flags.ipynb', [code('print(1)')])
-    r = subprocess.run([sys.executable, str(ROOT / 'tools' / 'run_notebooks.py'), '--flags', f'slow {nb}'],
+    r = subprocess.run(RUN_NOTEBOOKS + ['--flags', f'slow {nb}'],
                        cwd=ROOT, capture_output=True, text=True)
     assert r.returncode == 2 and 'unknown flag' in r.stderr
     assert json.loads(nb.read_text())['cells'][0]['outputs'] == []

@@ -5,7 +5,11 @@ Serves _build/site/_build/html on 127.0.0.1 (a free port, in a thread), drives D
 - it is missing (not HTTP 200),
 - it shows a Python traceback (the text "Traceback (most recent call last)", or an error output),
 - an <img> did not load (naturalWidth == 0), or
-- its chapter promises a picture (its notebook calls savefig or refers to images/) and shows none.
+- its chapter promises a picture (its notebook calls savefig or refers to images/) and shows
+  none, or
+- a code block (a cell's code, its output, or code in the prose) scrolls sideways at the 1280-pixel
+  window (the hidden end of a line is usually the comment that explains it), or a 100-character
+  line would not fit in a code cell.
 Saves a screenshot of each page in screenshots/ (ignored by git), prints one line per page and
 a closing 'N passed, N failed' line; exits non-zero when a page failed or no page was checked.
 """
@@ -38,9 +42,29 @@ _IMAGES_JS = """
 const imgs = Array.from(document.querySelectorAll('img'))
   .filter(i => !i.closest('.navbar-brand, .logo, .bd-header, .bd-sidebar-primary'));
 imgs.forEach(i => { i.loading = 'eager'; });
-return imgs.map(i => ({src: i.getAttribute('src') || '', complete: i.complete, width: i.naturalWidth}));
+return imgs.map(i => ({src: i.getAttribute('src') || '', complete: i.complete,
+                      width: i.naturalWidth}));
 """
-_TRACEBACK_JS = "return document.querySelectorAll('.output.traceback, .output.error, div.traceback').length"
+# The page's code blocks (cells' code and outputs, code in the prose): how many, the longest line
+# of each that scrolls sideways, and whether a 100-character line fits in a cell's code box (a
+# copy of the first one, measured and removed), the width the book's code is written to.
+_CODE_BLOCKS_JS = """
+const pres = Array.from(document.querySelectorAll('.bd-article pre'));
+const longest = p => p.textContent.split('\\n').reduce((a, b) => b.length > a.length ? b : a, '');
+const wide = pres.filter(p => p.scrollWidth > p.clientWidth + 1).map(longest);
+const cell = document.querySelector('.bd-article div.cell_input pre');
+let fits = null;
+if (cell) {
+  const probe = cell.cloneNode(false);
+  probe.textContent = 'x'.repeat(100);
+  cell.parentNode.appendChild(probe);
+  fits = probe.scrollWidth <= probe.clientWidth + 1;
+  probe.remove();
+}
+return {count: pres.length, wide: wide, fits100: fits};
+"""
+_TRACEBACK_JS = ("return document.querySelectorAll("
+                 "'.output.traceback, .output.error, div.traceback').length")
 
 
 class _Quiet(http.server.SimpleHTTPRequestHandler):
@@ -50,13 +74,13 @@ class _Quiet(http.server.SimpleHTTPRequestHandler):
 
 class _Server(http.server.ThreadingHTTPServer):
     def handle_error(self, request, client_address):
-        """The browser dropping a connection it no longer needs is not an error worth a traceback."""
+        """A browser dropping a connection it no longer needs is not worth a traceback."""
         if not isinstance(sys.exc_info()[1], (BrokenPipeError, ConnectionResetError)):
             super().handle_error(request, client_address)
 
 
 def serve(folder: Path) -> tuple[http.server.ThreadingHTTPServer, str]:
-    """Serve `folder` on 127.0.0.1 at a free port in a daemon thread; the server and its base URL."""
+    """Serve `folder` on 127.0.0.1 at a free port in a daemon thread; the server and its URL."""
     handler = functools.partial(_Quiet, directory=str(folder))
     server = _Server(('127.0.0.1', 0), handler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
@@ -104,7 +128,8 @@ def check_page(driver, base: str, nb_path: Path) -> tuple[list[str], str]:
     if 'Traceback (most recent call last)' in text or driver.execute_script(_TRACEBACK_JS):
         problems.append('shows a Python traceback')
     nb = read_nb(nb_path)
-    errors = [o.get('ename') for c in nb['cells'] for o in c.get('outputs', []) if o.get('output_type') == 'error']
+    errors = [o.get('ename') for c in nb['cells'] for o in c.get('outputs', [])
+              if o.get('output_type') == 'error']
     if errors:
         problems.append(f'a saved output is an error ({", ".join(map(str, errors))})')
     broken = [i['src'] for i in imgs if i['width'] == 0]
@@ -113,6 +138,15 @@ def check_page(driver, base: str, nb_path: Path) -> tuple[list[str], str]:
     shown = sum(1 for i in imgs if i['width'] > 0)
     if promises_picture(nb) and shown == 0:
         problems.append('the chapter draws a picture (savefig or images/) but the page shows none')
+    code = driver.execute_script(_CODE_BLOCKS_JS)
+    if code['wide']:
+        problems.append(f"{len(code['wide'])} code block(s) scroll sideways, "
+                        f"the first at: {code['wide'][0][:60]!r}…")
+    if code['fits100'] is False:
+        problems.append('a 100-character line does not fit in a code cell at 1280 pixels')
+    has_code = any(c['cell_type'] == 'code' and c['source'].strip() for c in nb['cells'])
+    if has_code and code['fits100'] is None:
+        problems.append('its notebook has code but the page shows no code cell')
     if len(text.strip()) < 20:
         problems.append('the page is (nearly) empty')
     height = driver.execute_script('return document.documentElement.scrollHeight')
@@ -130,7 +164,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     for exe, pkg in ((CHROMIUM, 'chromium'), (CHROMEDRIVER, 'chromium-driver')):
         if not Path(exe).exists():
-            print(f'{exe} is missing: `apt-get install {pkg}` (or `make chromium`)', file=sys.stderr)
+            print(f'{exe} is missing: `apt-get install {pkg}` (or `make chromium`)',
+                  file=sys.stderr)
             return 1
     if not (args.site / 'nbs' / 'index.html').exists():
         print(f'no site in {args.site}: run `make site` first', file=sys.stderr)
@@ -146,8 +181,10 @@ def main(argv=None) -> int:
                 t0 = time.time()
                 try:
                     problems, what = check_page(driver, base, nb)
-                except Exception as e:  # a page that hangs or crashes the renderer is a failure, not a crash
-                    problems, what = [f'could not be checked: {type(e).__name__}: {e}'.splitlines()[0]], ''
+                # a page that hangs or crashes the renderer is a failure, not a crash
+                except Exception as e:
+                    why = f'could not be checked: {type(e).__name__}: {e}'.splitlines()[0]
+                    problems, what = [why], ''
                 took = f'{time.time() - t0:.1f}s'
                 if problems:
                     failed += 1

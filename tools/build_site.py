@@ -40,7 +40,8 @@ def prepare() -> list[Path]:
     written = []
     for p in book_notebooks():
         dest = SRC / 'nbs' / p.name
-        dest.write_text(json.dumps(book_view(read_nb(p)), indent=1, ensure_ascii=False), encoding='utf-8')
+        view = book_view(read_nb(p))
+        dest.write_text(json.dumps(view, indent=1, ensure_ascii=False), encoding='utf-8')
         written.append(dest)
     return written
 
@@ -48,7 +49,8 @@ def prepare() -> list[Path]:
 def main(argv=None) -> int:
     """Check the table of contents, prepare the sources, run jupyter-book; non-zero on failure."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument('--no-toc-check', action='store_true', help='build even if _toc.yml is out of date')
+    ap.add_argument('--no-toc-check', action='store_true',
+                    help='build even if _toc.yml is out of date')
     args = ap.parse_args(argv)
     if not args.no_toc_check:
         rc = subprocess.call([sys.executable, str(ROOT / 'tools' / 'toc.py'), '--check'])
@@ -57,7 +59,8 @@ def main(argv=None) -> int:
     nbs = prepare()
     print(f'prepared {len(nbs)} notebooks in {SRC.relative_to(ROOT)}', flush=True)
     jb = Path(sys.executable).with_name('jupyter-book')
-    cmd = [str(jb) if jb.exists() else 'jupyter-book', 'build', str(SRC), '--path-output', str(OUT), '--all']
+    cmd = [str(jb) if jb.exists() else 'jupyter-book', 'build', str(SRC),
+           '--path-output', str(OUT), '--all']
     rc = subprocess.call(cmd, cwd=ROOT)
     if rc:
         print(f'jupyter-book build failed (exit {rc})', file=sys.stderr)

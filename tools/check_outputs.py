@@ -16,7 +16,8 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from nbtools import NBS, ROOT, chapters, read_nb, saved_hash, skipped_by, source, source_hash  # noqa: E402
+from nbtools import (NBS, ROOT, chapters, read_nb, saved_hash, skipped_by,  # noqa: E402
+                     source, source_hash)
 
 
 def problems(path: Path, is_chapter: bool) -> list[str]:
@@ -35,11 +36,15 @@ def problems(path: Path, is_chapter: bool) -> list[str]:
             res.append(f'{where} has an error saved as its output')
         if h is None and outs:
             flag = skipped_by(cell)
-            hint = f' (a `{flag}` cell: `make book FLAGS={flag}` runs it)' if flag in ('slow', 'gpu') else ''
-            res.append(f'{where} has outputs but no source hash: saved by hand, not by `make book`{hint}')
+            hint = ''
+            if flag in ('slow', 'gpu'):
+                hint = f' (a `{flag}` cell: `make book FLAGS={flag}` runs it)'
+            res.append(f'{where} has outputs but no source hash: '
+                       f'saved by hand, not by `make book`{hint}')
         elif h is not None and h != source_hash(cell):
             res.append(f'{where} was edited after `make book` saved its output')
-    runnable = any(c.get('cell_type') == 'code' and source(c).strip() and not skipped_by(c) for c in nb['cells'])
+    runnable = any(c.get('cell_type') == 'code' and source(c).strip() and not skipped_by(c)
+                   for c in nb['cells'])
     if is_chapter and runnable and executed == 0:
         res.append(f'{path.name}: no cell was executed by `make book` (the book was never built)')
     return res
@@ -50,8 +55,10 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument('notebooks', nargs='*', type=Path)
     args = ap.parse_args(argv)
-    nbs = args.notebooks or sorted(p for p in NBS.glob('*.ipynb') if not p.name.startswith(('_', '.')))
-    chs = {p.resolve() for p in chapters()} | {p.resolve() for p in args.notebooks if p.name[:1].isdigit()}
+    nbs = args.notebooks or sorted(p for p in NBS.glob('*.ipynb')
+                                   if not p.name.startswith(('_', '.')))
+    chs = ({p.resolve() for p in chapters()}
+           | {p.resolve() for p in args.notebooks if p.name[:1].isdigit()})
     if not chapters() and not args.notebooks:
         print('check_outputs: no chapter notebooks (NN_name.ipynb) in nbs/', file=sys.stderr)
         return 1

@@ -15,7 +15,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from nbtools import NBS, ROOT, book_view, read_nb, settings  # noqa: E402
 
 README = ROOT / 'README.md'
-HEADER = '<!-- Generated from nbs/index.ipynb by `make readme`; edit the notebook, not this file. -->\n\n'
+HEADER = ('<!-- Generated from nbs/index.ipynb by `make readme`; '
+          'edit the notebook, not this file. -->\n\n')
 
 
 def readme_text() -> str:
@@ -24,7 +25,8 @@ def readme_text() -> str:
     from nbconvert import MarkdownExporter
 
     nb = nbformat.from_dict(book_view(read_nb(NBS / settings().get('readme_nb', 'index.ipynb'))))
-    body, _ = MarkdownExporter(exclude_input_prompt=True, exclude_output_prompt=True).from_notebook_node(nb)
+    exporter = MarkdownExporter(exclude_input_prompt=True, exclude_output_prompt=True)
+    body, _ = exporter.from_notebook_node(nb)
     body = re.sub(r'\]\((\d+_[^)\s]+\.ipynb)', r'](nbs/\1', body)  # chapter links live in nbs/
     body = body.replace('](../images/', '](images/')
     body = re.sub(r'\n{3,}', '\n\n', body).strip() + '\n'
@@ -32,7 +34,7 @@ def readme_text() -> str:
 
 
 def main(argv=None) -> int:
-    """Write README.md, or with --check fail (showing a diff) when it differs from the generated text."""
+    """Write README.md, or with --check fail (with a diff) where it differs from what is made."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument('--check', action='store_true')
     args = ap.parse_args(argv)
@@ -41,8 +43,10 @@ def main(argv=None) -> int:
         old = README.read_text(encoding='utf-8') if README.exists() else ''
         if old != new:
             sys.stdout.writelines(difflib.unified_diff(old.splitlines(True), new.splitlines(True),
-                                                       'README.md', 'generated from nbs/index.ipynb'))
-            print('\nREADME.md is out of date with nbs/index.ipynb: run `make readme` and commit it.')
+                                                       'README.md',
+                                                       'generated from nbs/index.ipynb'))
+            print('\nREADME.md is out of date with nbs/index.ipynb: '
+                  'run `make readme` and commit it.')
             return 1
         print('README.md is in sync with nbs/index.ipynb')
         return 0

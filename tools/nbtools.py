@@ -1,4 +1,4 @@
-"""Helpers shared by the book's tools: which notebooks are chapters, cell directives, source hashes."""
+"""Helpers shared by the book's tools: which notebooks are chapters, directives, source hashes."""
 from __future__ import annotations
 
 import configparser
@@ -10,7 +10,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 NBS = ROOT / 'nbs'
 IMAGES = ROOT / 'images'
-HASH_KEY = 'petite_llm'  # cell metadata key; settings.ini's allowed_cell_metadata_keys lets nbdev_clean keep it
+# The cell metadata key; settings.ini's allowed_cell_metadata_keys lets nbdev_clean keep it
+HASH_KEY = 'petite_llm'
 
 _directive_line = re.compile(r'^\s*#\s*\|')
 _chapter_name = re.compile(r'^\d+_.+\.ipynb$')
@@ -64,7 +65,7 @@ def saved_hash(cell: dict) -> str | None:
 
 
 def split_directives(src: str) -> tuple[list[str], str]:
-    """Split a code cell into its leading `#|` directive lines and the code after them (nbdev's rule)."""
+    """A code cell's leading `#|` directive lines and the code after them (nbdev's rule)."""
     lines = src.splitlines(True)
     i = 0
     while i < len(lines) and (lines[i].strip() == '' or _directive_line.match(lines[i])):
@@ -86,7 +87,7 @@ def directives(cell: dict) -> dict[str, list[str]]:
 
 
 def skipped_by(cell: dict, run_flags: set[str] = frozenset()) -> str | None:
-    """Why `make book`/`nbdev_test` would not run this code cell (a flag, `eval: false`), or None."""
+    """Why `make book`/`nbdev_test` would skip this code cell (a flag, `eval: false`), or None."""
     d = directives(cell)
     for flag in sorted(test_flags() - set(run_flags)):
         if flag in d:
@@ -138,6 +139,7 @@ def book_view(nb: dict) -> dict:
                 continue
         cells.append(c)
     meta = dict(nb.get('metadata', {}))
-    meta.setdefault('kernelspec', {'name': 'python3', 'display_name': 'Python 3', 'language': 'python'})
+    meta.setdefault('kernelspec',
+                    {'name': 'python3', 'display_name': 'Python 3', 'language': 'python'})
     meta.setdefault('language_info', {'name': 'python'})
     return dict(nb, cells=cells, metadata=meta)

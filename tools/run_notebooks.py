@@ -3,9 +3,10 @@
 Each notebook runs in its own fresh Python process, in-process through execnb's CaptureShell
 (as `nbdev_test` does), with the working directory set to nbs/. Cells flagged with a test flag
 (`#| slow`, `#| gpu`) or `#| eval: false` are skipped and KEEP their saved outputs, so a figure
-measured on a GPU survives a CPU build; `--flags slow` (or `--flags "slow gpu"`) runs them too. Every cell that
-runs gets its new outputs (or none) and `metadata.petite_llm.source_hash = sha256(source)`, which
-tools/check_outputs.py compares with the source to find outputs older than their cell.
+measured on a GPU survives a CPU build; `--flags slow` (or `--flags "slow gpu"`) runs them too.
+Every cell that runs gets its new outputs (or none) and
+`metadata.petite_llm.source_hash = sha256(source)`, which tools/check_outputs.py compares with
+the source to find outputs older than their cell.
 A notebook whose cell raises is not written: the traceback and the cell are printed instead.
 """
 from __future__ import annotations
@@ -48,7 +49,8 @@ def run_one(path: Path, run_flags: set[str]) -> int:
         if shell.exc is not None:
             first = cell.source.strip().splitlines()[:3]
             sys.stderr.write(f'\n{path.name}: cell {cell.idx_} (id {cell.get("id")}) raised; '
-                             f'notebook NOT saved.\n--- cell starts:\n' + '\n'.join(first) + '\n---\n'
+                             'notebook NOT saved.\n--- cell starts:\n'
+                             + '\n'.join(first) + '\n---\n'
                              + shell.prettytb(fname=path) + '\n')
             return 1
         cell['outputs'] = [dict(o) for o in outs]
@@ -70,7 +72,7 @@ def run_one(path: Path, run_flags: set[str]) -> int:
 
 
 def default_notebooks() -> list[Path]:
-    """Every notebook in nbs/ (index first, then chapters in order), as nbdev_test would find them."""
+    """Every notebook in nbs/ (index first, then the chapters), as nbdev_test finds them."""
     nbs = sorted(p for p in NBS.glob('*.ipynb') if not p.name.startswith(('_', '.')))
     return sorted(nbs, key=lambda p: (p.name != 'index.ipynb', p.name))
 
@@ -78,13 +80,17 @@ def default_notebooks() -> list[Path]:
 def main(argv=None) -> int:
     """Run the chosen notebooks, each in a fresh process; non-zero if any failed."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument('notebooks', nargs='*', type=Path, help='notebooks to run (default: all of nbs/)')
-    ap.add_argument('--flags', default='', help='test flags whose cells to run too, one string: "slow" or "slow gpu"')
-    ap.add_argument('--one', action='store_true', help=argparse.SUPPRESS)  # child mode: run in this process
+    ap.add_argument('notebooks', nargs='*', type=Path,
+                    help='notebooks to run (default: all of nbs/)')
+    ap.add_argument('--flags', default='',
+                    help='test flags whose cells to run too, one string: "slow" or "slow gpu"')
+    # child mode: run one notebook in this process
+    ap.add_argument('--one', action='store_true', help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     flags = set(args.flags.replace(',', ' ').split())
     if flags - test_flags():
-        ap.error(f'unknown flag(s) {sorted(flags - test_flags())}: settings.ini tst_flags has {sorted(test_flags())}'
+        ap.error(f'unknown flag(s) {sorted(flags - test_flags())}: '
+                 f'settings.ini tst_flags has {sorted(test_flags())}'
                  ' (pass several as one string, --flags "slow gpu", before or after the notebooks)')
     if args.one:
         return run_one(args.notebooks[0], flags)
