@@ -22,7 +22,7 @@ DTYPES = {'float32': torch.float32, 'fp32': torch.float32, 'float': torch.float3
           'float64': torch.float64, 'fp64': torch.float64, 'double': torch.float64}
 
 def parse_dtype(v) -> torch.dtype | None:
-    "A dtype or its name ('bfloat16', 'bf16', 'torch.float16') as a `torch.dtype`; None and 'auto' → None."
+    "A dtype or its name ('bf16', 'torch.float16' …) as a `torch.dtype`; None and 'auto' → None."
     if v is None or isinstance(v, torch.dtype):
         return v
     name = str(v).removeprefix('torch.').lower()
@@ -65,73 +65,97 @@ class ModelConfig:
         return self.num_key_value_heads * self.head_dim
 
     def __post_init__(self):
-        "Validate the combination and normalise eos_token_id to a list and torch_dtype to a torch.dtype."
+        "Check the combination; make eos_token_id a list and torch_dtype a `torch.dtype`."
         if self.model_type not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(f"model_type={self.model_type!r} is not supported; petite_llm runs {SUPPORTED_MODEL_TYPES}")
+            raise ValueError(f"model_type={self.model_type!r} is not supported; "
+                             f"petite_llm runs {SUPPORTED_MODEL_TYPES}")
         if self.hidden_act != 'silu':
             raise ValueError(f"hidden_act={self.hidden_act!r} is not implemented (only 'silu')")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(f"num_attention_heads={self.num_attention_heads} is not a multiple of "
                              f"num_key_value_heads={self.num_key_value_heads}")
-        if self.head_dim % 2: raise ValueError(f"head_dim={self.head_dim} must be even for RoPE")
-        if isinstance(self.eos_token_id, int): self.eos_token_id = [self.eos_token_id]
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim={self.head_dim} must be even for RoPE")
+        if isinstance(self.eos_token_id, int):
+            self.eos_token_id = [self.eos_token_id]
         self.eos_token_id = list(self.eos_token_id or [])
         self.torch_dtype = parse_dtype(self.torch_dtype)
 
 SUPPORTED_MODEL_TYPES = ('qwen3', 'qwen2', 'llama')
 
 # %% ../nbs/00_config.ipynb #2522959a
-_MOE_KEYS = ('num_experts', 'num_local_experts', 'n_routed_experts', 'num_experts_per_tok', 'moe_intermediate_size')
+_MOE_KEYS = ('num_experts', 'num_local_experts', 'n_routed_experts', 'num_experts_per_tok',
+             'moe_intermediate_size')
 
-def _rope_theta(d: dict) -> float:
+def _rope_theta(config_dict: dict) -> float:
     "The RoPE base from either config format, rejecting any rope scaling."
-    rp = d.get('rope_parameters')
-    for key, rs in (('rope_scaling', d.get('rope_scaling')), ('rope_parameters', rp)):
-        if rs is None: continue
-        if not isinstance(rs, dict):
-            raise ValueError(f"{key}={rs!r} is not understood (expected a dict with rope_type 'default')")
-        kind = rs.get('rope_type', rs.get('type', 'default'))
+    rope_parameters = config_dict.get('rope_parameters')
+    for key, scaling in (('rope_scaling', config_dict.get('rope_scaling')),
+                         ('rope_parameters', rope_parameters)):
+        if scaling is None:
+            continue
+        if not isinstance(scaling, dict):
+            raise ValueError(f"{key}={scaling!r} is not understood "
+                             "(expected a dict with rope_type 'default')")
+        kind = scaling.get('rope_type', scaling.get('type', 'default'))
         if kind != 'default':
-            raise ValueError(f"{key} with rope_type={kind!r} is not implemented (only plain RoPE, rope_type 'default')")
-    if d.get('rope_theta') is not None: return float(d['rope_theta'])
-    if rp and rp.get('rope_theta') is not None: return float(rp['rope_theta'])
+            raise ValueError(f"{key} with rope_type={kind!r} is not implemented "
+                             "(only plain RoPE, rope_type 'default')")
+    if config_dict.get('rope_theta') is not None:
+        return float(config_dict['rope_theta'])
+    if rope_parameters and rope_parameters.get('rope_theta') is not None:
+        return float(rope_parameters['rope_theta'])
     return 10000.0
 
-def _check_unimplemented(d: dict):
+def _check_unimplemented(config_dict: dict):
     "Raise ValueError naming the first config field that asks for something we do not implement."
-    if d.get('use_sliding_window'):
+    get = config_dict.get
+    if get('use_sliding_window'):
         raise ValueError("use_sliding_window=True is not implemented (sliding-window attention); "
                          "only full attention is supported")
-    bad = [t for t in (d.get('layer_types') or []) if t != 'full_attention']
-    if bad: raise ValueError(f"layer_types contains {bad[0]!r}; only 'full_attention' layers are implemented")
-    for k in _MOE_KEYS:
-        if d.get(k): raise ValueError(f"{k}={d[k]!r}: mixture-of-experts models are not implemented")
-    if d.get('mlp_bias'): raise ValueError("mlp_bias=True is not implemented (the MLP has no biases)")
-    if d.get('attention_bias') and d.get('model_type') != 'qwen2':
-        raise ValueError(f"attention_bias=True is not implemented for model_type={d.get('model_type')!r} "
-                         "(it adds a bias to o_proj as well)")
-    if d.get('pretraining_tp', 1) not in (1, None):
-        raise ValueError(f"pretraining_tp={d['pretraining_tp']} is not implemented (use 1)")
+    bad = [t for t in (get('layer_types') or []) if t != 'full_attention']
+    if bad:
+        raise ValueError(f"layer_types contains {bad[0]!r}; "
+                         "only 'full_attention' layers are implemented")
+    for key in _MOE_KEYS:
+        if get(key):
+            raise ValueError(f"{key}={get(key)!r}: mixture-of-experts models are not implemented")
+    if get('mlp_bias'):
+        raise ValueError("mlp_bias=True is not implemented (the MLP has no biases)")
+    if get('attention_bias') and get('model_type') != 'qwen2':
+        raise ValueError(f"attention_bias=True is not implemented "
+                         f"for model_type={get('model_type')!r} (it adds a bias to o_proj as well)")
+    if get('pretraining_tp', 1) not in (1, None):
+        raise ValueError(f"pretraining_tp={get('pretraining_tp')} is not implemented (use 1)")
 
 @classmethod
-def _from_dict(cls, d: dict) -> ModelConfig:
+def _from_dict(cls, config_dict: dict) -> ModelConfig:
     "Build a ModelConfig from a config.json dict (hub or transformers-5 format)."
-    mt = d.get('model_type')
-    if mt not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(f"model_type={mt!r} is not supported; petite_llm runs {SUPPORTED_MODEL_TYPES}")
-    _check_unimplemented(d)
-    nh = d['num_attention_heads']
-    return cls(model_type=mt, vocab_size=d['vocab_size'], hidden_size=d['hidden_size'],
-               intermediate_size=d['intermediate_size'], num_hidden_layers=d['num_hidden_layers'],
-               num_attention_heads=nh, num_key_value_heads=d.get('num_key_value_heads') or nh,
-               head_dim=d.get('head_dim') or d['hidden_size'] // nh,
-               rms_norm_eps=float(d.get('rms_norm_eps', 1e-6)), rope_theta=_rope_theta(d),
-               max_position_embeddings=d.get('max_position_embeddings', 32768),
-               tie_word_embeddings=bool(d.get('tie_word_embeddings', False)),
-               attention_bias=(mt == 'qwen2'), qk_norm=(mt == 'qwen3'),
-               hidden_act=d.get('hidden_act', 'silu'),
-               torch_dtype=parse_dtype(d.get('dtype', d.get('torch_dtype'))),
-               bos_token_id=d.get('bos_token_id'), eos_token_id=d.get('eos_token_id'))
+    get = config_dict.get
+    model_type = get('model_type')
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(f"model_type={model_type!r} is not supported; "
+                         f"petite_llm runs {SUPPORTED_MODEL_TYPES}")
+    _check_unimplemented(config_dict)
+    n_heads = config_dict['num_attention_heads']
+    return cls(model_type=model_type,
+               vocab_size=config_dict['vocab_size'],
+               hidden_size=config_dict['hidden_size'],
+               intermediate_size=config_dict['intermediate_size'],
+               num_hidden_layers=config_dict['num_hidden_layers'],
+               num_attention_heads=n_heads,
+               num_key_value_heads=get('num_key_value_heads') or n_heads,
+               head_dim=get('head_dim') or config_dict['hidden_size'] // n_heads,
+               rms_norm_eps=float(get('rms_norm_eps', 1e-6)),
+               rope_theta=_rope_theta(config_dict),
+               max_position_embeddings=get('max_position_embeddings', 32768),
+               tie_word_embeddings=bool(get('tie_word_embeddings', False)),
+               attention_bias=(model_type == 'qwen2'),
+               qk_norm=(model_type == 'qwen3'),
+               hidden_act=get('hidden_act', 'silu'),
+               torch_dtype=parse_dtype(get('dtype', get('torch_dtype'))),
+               bos_token_id=get('bos_token_id'),
+               eos_token_id=get('eos_token_id'))
 
 ModelConfig.from_dict = _from_dict
 
@@ -140,10 +164,13 @@ def _open_gguf(path):
     "A `gguf.GGUFReader` on `path`, or ValueError naming the file when it is not a readable GGUF."
     from gguf import GGUFReader
     path = Path(path)
-    if not path.is_file(): raise ValueError(f"{path} is not a valid GGUF file: it does not exist")
-    try: return GGUFReader(path)
+    if not path.is_file():
+        raise ValueError(f"{path} is not a valid GGUF file: it does not exist")
+    try:
+        return GGUFReader(path)
     except Exception as e:
-        raise ValueError(f"{path} is not a valid GGUF file (truncated or corrupt?): {type(e).__name__}: {e}") from e
+        raise ValueError(f"{path} is not a valid GGUF file (truncated or corrupt?): "
+                         f"{type(e).__name__}: {e}") from e
 
 def _gguf_fields(reader) -> dict[str, Any]:
     "Every metadata key of an open GGUF reader as a plain Python value."
@@ -156,29 +183,40 @@ def read_gguf_metadata(path) -> dict[str, Any]:
 # %% ../nbs/00_config.ipynb #e0f7df53
 @classmethod
 def _from_gguf_metadata(cls, meta: dict, tie_word_embeddings: bool) -> ModelConfig:
-    "Build a ModelConfig from a GGUF header (`read_gguf_metadata`); tying comes from the tensor names."
+    "Build a ModelConfig from a GGUF header; tying comes from the tensor names."
     arch = meta.get('general.architecture')
     if arch not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(f"GGUF general.architecture={arch!r} is not supported; petite_llm runs {SUPPORTED_MODEL_TYPES}")
-    g = lambda k, default=None: meta.get(f'{arch}.{k}', default)
-    for k in ('expert_count', 'attention.sliding_window'):
-        if g(k): raise ValueError(f"GGUF key {arch}.{k}={g(k)!r} is not implemented")
-    scaling = g('rope.scaling.type', 'none')
+        raise ValueError(f"GGUF general.architecture={arch!r} is not supported; "
+                         f"petite_llm runs {SUPPORTED_MODEL_TYPES}")
+    def get(key, default=None):
+        "The header's value of `{arch}.{key}`."
+        return meta.get(f'{arch}.{key}', default)
+    for key in ('expert_count', 'attention.sliding_window'):
+        if get(key):
+            raise ValueError(f"GGUF key {arch}.{key}={get(key)!r} is not implemented")
+    scaling = get('rope.scaling.type', 'none')
     if scaling not in ('none', None):
-        raise ValueError(f"GGUF key {arch}.rope.scaling.type={scaling!r} is not implemented (only plain RoPE)")
-    hidden, nh = g('embedding_length'), g('attention.head_count')
+        raise ValueError(f"GGUF key {arch}.rope.scaling.type={scaling!r} is not implemented "
+                         "(only plain RoPE)")
+    hidden, n_heads = get('embedding_length'), get('attention.head_count')
     eos = meta.get('tokenizer.ggml.eos_token_id')
-    return cls(model_type=arch, vocab_size=g('vocab_size') or len(meta['tokenizer.ggml.tokens']),
-               hidden_size=hidden, intermediate_size=g('feed_forward_length'),
-               num_hidden_layers=g('block_count'), num_attention_heads=nh,
-               num_key_value_heads=g('attention.head_count_kv') or nh,
-               head_dim=g('attention.key_length') or hidden // nh,
-               rms_norm_eps=float(g('attention.layer_norm_rms_epsilon', 1e-6)),
-               rope_theta=float(g('rope.freq_base', 10000.0)),
-               max_position_embeddings=g('context_length', 32768),
+    return cls(model_type=arch,
+               vocab_size=get('vocab_size') or len(meta['tokenizer.ggml.tokens']),
+               hidden_size=hidden,
+               intermediate_size=get('feed_forward_length'),
+               num_hidden_layers=get('block_count'),
+               num_attention_heads=n_heads,
+               num_key_value_heads=get('attention.head_count_kv') or n_heads,
+               head_dim=get('attention.key_length') or hidden // n_heads,
+               rms_norm_eps=float(get('attention.layer_norm_rms_epsilon', 1e-6)),
+               rope_theta=float(get('rope.freq_base', 10000.0)),
+               max_position_embeddings=get('context_length', 32768),
                tie_word_embeddings=bool(tie_word_embeddings),
-               attention_bias=(arch == 'qwen2'), qk_norm=(arch == 'qwen3'), torch_dtype=None,
-               bos_token_id=meta.get('tokenizer.ggml.bos_token_id'), eos_token_id=[] if eos is None else [eos])
+               attention_bias=(arch == 'qwen2'),
+               qk_norm=(arch == 'qwen3'),
+               torch_dtype=None,
+               bos_token_id=meta.get('tokenizer.ggml.bos_token_id'),
+               eos_token_id=[] if eos is None else [eos])
 
 ModelConfig.from_gguf_metadata = _from_gguf_metadata
 
@@ -190,10 +228,12 @@ def _from_pretrained(cls, path) -> ModelConfig:
     if path.suffix == '.gguf':
         reader = _open_gguf(path)
         names = {t.name for t in reader.tensors}
-        return cls.from_gguf_metadata(_gguf_fields(reader), tie_word_embeddings='output.weight' not in names)
+        return cls.from_gguf_metadata(_gguf_fields(reader),
+                                      tie_word_embeddings='output.weight' not in names)
     cfg_file = path/'config.json' if path.is_dir() else path
     if not cfg_file.is_file():
-        raise ValueError(f"no config.json at {cfg_file}; pass a model folder, its config.json, or a .gguf file")
+        raise ValueError(f"no config.json at {cfg_file}; "
+                         "pass a model folder, its config.json, or a .gguf file")
     return cls.from_dict(json.loads(cfg_file.read_text()))
 
 ModelConfig.from_pretrained = _from_pretrained

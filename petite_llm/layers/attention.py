@@ -16,23 +16,28 @@ from .rope import RotaryEmbedding
 
 # %% ../../nbs/03_attention.ipynb #0e0b4190
 class MergedLinear(nn.Linear):
-    "A Linear whose output rows stack several projections (q/k/v, gate/up); loads each part by shard id."
+    "A Linear whose output rows stack several projections (q/k/v, gate/up), loaded by shard id."
     def __init__(self, in_features: int, out_sizes: list[int], bias: bool = False):
         super().__init__(in_features, sum(out_sizes), bias=bias)
         self.out_sizes = list(out_sizes)
-        for p in self.parameters(): p.weight_loader = self.weight_loader
+        for param in self.parameters():
+            param.weight_loader = self.weight_loader
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int):
-        "Copy checkpoint tensor `loaded` into rows sum(out_sizes[:shard_id]) : +out_sizes[shard_id] of `param`."
+        "Copy checkpoint tensor `loaded` into the rows of `param` that shard `shard_id` owns."
         start, size = sum(self.out_sizes[:shard_id]), self.out_sizes[shard_id]
-        if tuple(loaded.shape) != (size, *param.shape[1:]):
-            raise ValueError(f"shard {shard_id} of a MergedLinear{tuple(self.out_sizes)} needs shape "
-                             f"{(size, *param.shape[1:])}, got {tuple(loaded.shape)} (wrong config or checkpoint?)")
-        with torch.no_grad(): param[start:start + size].copy_(loaded)
+        expected = (size, *param.shape[1:])
+        if tuple(loaded.shape) != expected:
+            raise ValueError(f"shard {shard_id} of a MergedLinear{tuple(self.out_sizes)} "
+                             f"needs shape {expected}, got {tuple(loaded.shape)} "
+                             "(wrong config or checkpoint?)")
+        with torch.no_grad():
+            param[start:start + size].copy_(loaded)
 
 # %% ../../nbs/03_attention.ipynb #0eb9fb1b
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    "Causal attention over one sequence: q [T, n_heads, D], k/v [T, n_kv_heads, D] -> [T, n_heads, D]."
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     scale: float) -> torch.Tensor:
+    "Causal attention, one sequence: q [T, n_heads, D], k/v [T, n_kv_heads, D] -> [T, n_heads, D]."
     group = q.shape[1] // k.shape[1]                       # query heads per kv head
     k = k.repeat_interleave(group, dim=1)                  # [T, n_heads, D]
     v = v.repeat_interleave(group, dim=1)
@@ -45,29 +50,37 @@ class Attention(nn.Module):
     "Qwen3/Qwen2/Llama self-attention: fused qkv, optional QK-norm, RoPE, GQA, pluggable backend."
     def __init__(self, config: ModelConfig, layer_idx: int = 0):
         super().__init__()
-        c = config
         self.layer_idx = layer_idx
-        self.num_heads, self.num_kv_heads, self.head_dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
-        self.q_size, self.kv_size = c.q_size, c.kv_size
-        self.scaling = c.head_dim ** -0.5
-        self.qkv_proj = MergedLinear(c.hidden_size, [c.q_size, c.kv_size, c.kv_size], bias=c.attention_bias)
-        self.o_proj = nn.Linear(c.q_size, c.hidden_size, bias=False)
-        if c.qk_norm:
-            self.q_norm = RMSNorm(c.head_dim, eps=c.rms_norm_eps)
-            self.k_norm = RMSNorm(c.head_dim, eps=c.rms_norm_eps)
-        self.qk_norm = c.qk_norm
-        self.rotary_emb = RotaryEmbedding(c.head_dim, c.rope_theta, c.max_position_embeddings)
-        self.kv_cache = None                               # (k_cache, v_cache), assigned by the engine
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.q_size, self.kv_size = config.q_size, config.kv_size
+        self.scaling = config.head_dim ** -0.5
+        self.qkv_proj = MergedLinear(config.hidden_size,
+                                     [config.q_size, config.kv_size, config.kv_size],
+                                     bias=config.attention_bias)
+        self.o_proj = nn.Linear(config.q_size, config.hidden_size, bias=False)
+        if config.qk_norm:
+            self.q_norm = RMSNorm(config.head_dim, eps=config.rms_norm_eps)
+            self.k_norm = RMSNorm(config.head_dim, eps=config.rms_norm_eps)
+        self.qk_norm = config.qk_norm
+        self.rotary_emb = RotaryEmbedding(config.head_dim, config.rope_theta,
+                                          config.max_position_embeddings)
+        self.kv_cache = None                               # (k_cache, v_cache), set by the engine
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, attn_metadata=None) -> torch.Tensor:
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
+                attn_metadata=None) -> torch.Tensor:
         "Attend over a flat batch: positions [T], hidden [T, hidden_size] -> [T, hidden_size]."
         T = hidden.shape[0]
         q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(T, self.num_heads, self.head_dim)       # [T, n_heads, D]
         k = k.view(T, self.num_kv_heads, self.head_dim)    # [T, n_kv_heads, D]
         v = v.view(T, self.num_kv_heads, self.head_dim)
-        if self.qk_norm: q, k = self.q_norm(q), self.k_norm(k)   # per head, before RoPE
+        if self.qk_norm:                                   # per head, before RoPE
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary_emb(positions, q, k)
-        if attn_metadata is None: o = causal_attention(q, k, v, self.scaling)
-        else: o = attn_metadata.backend.forward(q, k, v, self.kv_cache, attn_metadata, self.scaling)
-        return self.o_proj(o.reshape(T, self.q_size))      # [T, hidden]
+        if attn_metadata is None:
+            out = causal_attention(q, k, v, self.scaling)
+        else:
+            out = attn_metadata.backend.forward(q, k, v, self.kv_cache, attn_metadata, self.scaling)
+        return self.o_proj(out.reshape(T, self.q_size))    # [T, hidden]

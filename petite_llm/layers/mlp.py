@@ -17,7 +17,8 @@ class MLP(nn.Module):
     "SwiGLU feed-forward: down(silu(gate(x)) * up(x)), gate and up fused in one matrix."
     def __init__(self, hidden_size: int, intermediate_size: int):
         super().__init__()
-        self.gate_up_proj = MergedLinear(hidden_size, [intermediate_size, intermediate_size], bias=False)
+        self.gate_up_proj = MergedLinear(hidden_size, [intermediate_size, intermediate_size],
+                                         bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:   # [T, hidden] -> [T, hidden]

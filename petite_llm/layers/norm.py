@@ -11,7 +11,7 @@ from torch import nn
 
 # %% ../../nbs/01_rmsnorm.ipynb #1e89d409
 class RMSNorm(nn.Module):
-    "RMSNorm over the last dimension; statistics in float32, cast back before the weight (as transformers)."
+    "RMSNorm over the last dimension: statistics in float32, cast back before the weight."
     def __init__(self, hidden_size: int, eps: float = 1e-6):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
@@ -25,4 +25,5 @@ class RMSNorm(nn.Module):
         x = x * torch.rsqrt(variance + self.eps)
         return self.weight * x.to(input_dtype)
 
-    def extra_repr(self): return f"{tuple(self.weight.shape)}, eps={self.eps}"
+    def extra_repr(self):
+        return f"{tuple(self.weight.shape)}, eps={self.eps}"

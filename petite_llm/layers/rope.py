@@ -11,7 +11,7 @@ from torch import nn
 
 # %% ../../nbs/02_rope.ipynb #2d2d5635
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    "Swap the two halves of the last dimension and negate the new first half: [x1, x2] -> [-x2, x1]."
+    "Swap the halves of the last dimension and negate the new first half: [x1, x2] -> [-x2, x1]."
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
 
@@ -22,29 +22,35 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         self.head_dim, self.rope_theta, self.max_position = head_dim, rope_theta, max_position
         # Pitfall: the parentheses. `base ** arange / D` divides *after* the power.
-        # Computed on the CPU (as transformers does), even when the model is built on 'meta' or a GPU.
-        inv_freq = 1.0 / (rope_theta ** (torch.arange(0, head_dim, 2, dtype=torch.float, device='cpu') / head_dim))  # [D/2]
-        self._inv_freq_cpu = inv_freq                      # the exact values, kept out of .to() and to_empty()
+        # Computed on the CPU (as transformers does), even for a model built on 'meta' or a GPU.
+        exponents = torch.arange(0, head_dim, 2, dtype=torch.float, device='cpu') / head_dim
+        inv_freq = 1.0 / (rope_theta ** exponents)        # [D/2]
+        # the exact values, kept out of .to() and to_empty()
+        self._inv_freq_cpu = inv_freq
         self.register_buffer('inv_freq', inv_freq.to(torch.get_default_device()), persistent=False)
 
     def _apply(self, fn, recurse=True):
-        # .to(device)/to_empty(device) move inv_freq; .to(dtype) must not round it: restore the float32 values
+        # .to(device) and to_empty(device) move inv_freq; .to(dtype) must not round it,
+        # so the float32 values are restored
         super()._apply(fn, recurse)
-        if self.inv_freq.device.type != 'meta': self.inv_freq = self._inv_freq_cpu.to(self.inv_freq.device)
+        if self.inv_freq.device.type != 'meta':
+            self.inv_freq = self._inv_freq_cpu.to(self.inv_freq.device)
         return self
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype):
         "cos and sin of the rotation angles for `positions` [T], each [T, head_dim], in `dtype`."
-        freqs = positions[:, None].float() * self.inv_freq[None, :]   # [T, D/2], float32 like transformers
-        emb = torch.cat((freqs, freqs), dim=-1)                        # [T, D]: both halves share an angle
+        # [T, D/2], float32 like transformers
+        freqs = positions[:, None].float() * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)           # [T, D]: both halves share an angle
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         "Rotate q [T, n_heads, D] and k [T, n_kv_heads, D] by the angles of `positions` [T]."
         cos, sin = self.cos_sin(positions, q.dtype)
-        cos, sin = cos[:, None, :], sin[:, None, :]                    # [T, 1, D]: broadcast over heads
+        cos, sin = cos[:, None, :], sin[:, None, :]       # [T, 1, D]: broadcast over heads
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
         return q, k
 
-    def extra_repr(self): return f"head_dim={self.head_dim}, rope_theta={self.rope_theta}"
+    def extra_repr(self):
+        return f"head_dim={self.head_dim}, rope_theta={self.rope_theta}"
