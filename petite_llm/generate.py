@@ -18,7 +18,7 @@ __all__ = ['last_token_logits', 'GenerationResult', 'GenerationStream', 'stream_
 
 # %% ../nbs/09_generate.ipynb #448c62ac
 def last_token_logits(model, token_ids: list[int]) -> torch.Tensor:
-    "Run the whole sequence through the model's reference path; return the logits of its last position [1, V]."
+    "Run the whole sequence through the reference path; return its last position's logits [1, V]."
     device = model.lm_head.weight.device
     input_ids = torch.tensor(token_ids, device=device)                               # [T]
     positions = torch.arange(len(token_ids), device=device)                          # [T]
@@ -31,7 +31,8 @@ class GenerationResult:
     "One finished generation: text, tokens, why it stopped, and how long it took."
     text: str
     token_ids: list[int]
-    finish_reason: str                       # 'stop' (stop token or string) | 'length' (max_tokens or context full)
+    # 'stop' (stop token or string) | 'length' (max_tokens or context full)
+    finish_reason: str
     prompt_token_ids: list[int]
     stop_reason: int | str | None = None     # the stop token id or stop string that ended it
     logprobs: list[dict[int, float]] | None = None
@@ -51,16 +52,21 @@ class GenerationResult:
 
 
 class GenerationStream:
-    "Iterate for the text deltas; `.result` holds the GenerationResult once the iteration has ended."
-    def __init__(self, steps: Iterator[str]): self._steps, self.result = steps, None
-    def __iter__(self) -> Iterator[str]: self.result = yield from self._steps
+    "Iterate for the text deltas; `.result` holds the GenerationResult once the iteration ended."
+    def __init__(self, steps: Iterator[str]):
+        self._steps, self.result = steps, None
+
+    def __iter__(self) -> Iterator[str]:
+        self.result = yield from self._steps
 
 # %% ../nbs/09_generate.ipynb #07485408
 def _encode(tokenizer, prompt: str | list[int], max_len: int) -> list[int]:
     ids = tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-    if not ids: raise ValueError("The prompt is empty: give at least one token.")
+    if not ids:
+        raise ValueError("The prompt is empty: give at least one token.")
     if len(ids) >= max_len:
-        raise ValueError(f"The prompt has {len(ids)} tokens but the model's context holds {max_len}: shorten the prompt.")
+        raise ValueError(f"The prompt has {len(ids)} tokens but the model's context holds "
+                         f"{max_len}: shorten the prompt.")
     return ids
 
 def _steps(model, tokenizer, prompt, params: SamplingParams, sampler: Sampler):
@@ -68,17 +74,21 @@ def _steps(model, tokenizer, prompt, params: SamplingParams, sampler: Sampler):
     max_len = model.config.max_position_embeddings
     prompt_ids = _encode(tokenizer, prompt, max_len)
     stop_ids = params.stop_token_set(tokenizer.eos_token_ids)
-    detok = IncrementalDetokenizer(tokenizer, skip_special_tokens=params.skip_special_tokens, stop=params.stop)
+    detok = IncrementalDetokenizer(tokenizer, skip_special_tokens=params.skip_special_tokens,
+                                   stop=params.stop)
     out, logprobs, text, finish, reason, ttft = [], [], [], 'length', None, 0.0
     t0 = time.perf_counter()
     while len(out) < params.max_tokens and len(prompt_ids) + len(out) < max_len:
         with torch.inference_mode():
-            logits = last_token_logits(model, prompt_ids + out)             # [1, V]: the WHOLE sequence, every step
-        s = sampler(logits, [params], [prompt_ids], [out], [stop_ids])
-        tok = s.token_ids[0]
+            # [1, V]: the WHOLE sequence, every step
+            logits = last_token_logits(model, prompt_ids + out)
+        sampled = sampler(logits, [params], [prompt_ids], [out], [stop_ids])
+        tok = sampled.token_ids[0]
         out.append(tok)
-        if len(out) == 1: ttft = time.perf_counter() - t0
-        if params.logprobs is not None: logprobs.append(s.logprobs[0])
+        if len(out) == 1:
+            ttft = time.perf_counter() - t0
+        if params.logprobs is not None:
+            logprobs.append(sampled.logprobs[0])
         if tok in stop_ids:
             finish, reason = 'stop', tok
             break
@@ -91,23 +101,29 @@ def _steps(model, tokenizer, prompt, params: SamplingParams, sampler: Sampler):
     if tail := detok.finish():
         text.append(tail)
         yield tail
-    return GenerationResult(''.join(text), out, finish, prompt_ids, reason, logprobs if params.logprobs is not None else None,
+    return GenerationResult(''.join(text), out, finish, prompt_ids, reason,
+                            logprobs if params.logprobs is not None else None,
                             ttft, time.perf_counter() - t0)
 
 def stream_generate(model, tokenizer, prompt: str | list[int], params: SamplingParams | None = None,
                     sampler: Sampler | None = None) -> GenerationStream:
-    "Generate with the no-cache loop, streaming text deltas; the stream's `.result` is the GenerationResult."
-    return GenerationStream(_steps(model, tokenizer, prompt, params or SamplingParams(), sampler or Sampler()))
+    "Generate with the no-cache loop, streaming text deltas; `.result` is the GenerationResult."
+    steps = _steps(model, tokenizer, prompt, params or SamplingParams(), sampler or Sampler())
+    return GenerationStream(steps)
 
 def generate(model, tokenizer, prompt: str | list[int], params: SamplingParams | None = None,
              sampler: Sampler | None = None) -> GenerationResult:
     "Generate a completion of `prompt` (text or token ids) with the no-cache loop."
     stream = stream_generate(model, tokenizer, prompt, params, sampler)
-    for _ in stream: pass
+    for _ in stream:
+        pass
     return stream.result
 
 # %% ../nbs/09_generate.ipynb #de3bf61e
-def chat_prompt(tokenizer, user: str, system: str | None = None, history: list[dict] | None = None, **template_kwargs) -> str:
-    "The chat-templated prompt for `user`'s turn (after an optional system message and earlier turns), ready for the reply."
-    messages = ([{'role': 'system', 'content': system}] if system else []) + list(history or []) + [{'role': 'user', 'content': user}]
-    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **template_kwargs)
+def chat_prompt(tokenizer, user: str, system: str | None = None, history: list[dict] | None = None,
+                **template_kwargs) -> str:
+    "The chat-templated prompt for `user`'s turn (after an optional system message and history)."
+    messages = [{'role': 'system', 'content': system}] if system else []
+    messages += list(history or []) + [{'role': 'user', 'content': user}]
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,
+                                         **template_kwargs)

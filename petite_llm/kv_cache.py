@@ -18,110 +18,144 @@ __all__ = ['kv_bytes_per_token', 'contiguous_cache_bytes', 'allocate_contiguous_
 # %% ../nbs/10_kv_cache.ipynb #30fedb6f
 def kv_bytes_per_token(config, dtype=torch.float32) -> int:
     "Bytes of K and V one token occupies across all layers of a model with `config`."
-    return 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * torch.empty((), dtype=dtype).element_size()
+    elements = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim
+    return elements * dtype.itemsize
 
 def contiguous_cache_bytes(config, max_batch: int, max_len: int, dtype=torch.float32) -> int:
     "Bytes a contiguous cache reserves for `max_batch` sequences of up to `max_len` tokens."
     return kv_bytes_per_token(config, dtype) * max_batch * max_len
 
 # %% ../nbs/10_kv_cache.ipynb #7b6663c4
-def allocate_contiguous_cache(model, max_batch: int, max_len: int, dtype=None, device=None) -> list[tuple[Tensor, Tensor]]:
-    "Give every attention layer of `model` a zeroed `(k_cache, v_cache)` pair, each [max_batch, max_len, n_kv_heads, head_dim]."
+def allocate_contiguous_cache(model, max_batch: int, max_len: int, dtype=None,
+                              device=None) -> list[tuple[Tensor, Tensor]]:
+    "Give each attention layer a zeroed (k_cache, v_cache) pair of [max_batch, max_len, nkv, hd]."
     cfg, p = model.config, next(model.parameters())
     shape = (max_batch, max_len, cfg.num_key_value_heads, cfg.head_dim)
     caches = []
     for layer in model.model.layers:
-        kv = tuple(torch.zeros(shape, dtype=dtype or p.dtype, device=device or p.device) for _ in range(2))
+        k_cache = torch.zeros(shape, dtype=dtype or p.dtype, device=device or p.device)
+        kv = (k_cache, torch.zeros_like(k_cache))
         layer.self_attn.kv_cache = kv
         caches.append(kv)
     return caches
 
 # %% ../nbs/10_kv_cache.ipynb #8a67d629
 class ContiguousAttentionBackend:
-    "Attention over a contiguous per-sequence cache: store the new K/V in their slots, then attend each sequence to its row."
+    "Contiguous-cache attention: store the new K/V, then attend each sequence to its cache row."
     @staticmethod
-    def forward(q: Tensor, k: Tensor, v: Tensor, kv_cache: tuple[Tensor, Tensor], md: ContiguousCacheMetadata, scale: float) -> Tensor:
-        "q [T, nh, hd] and k, v [T, nkv, hd] of the new tokens → attention output [T, nh, hd]; writes k, v into `kv_cache` first."
-        k_cache, v_cache = kv_cache                                   # [max_batch, max_len, nkv, hd]
+    def forward(q: Tensor, k: Tensor, v: Tensor, kv_cache: tuple[Tensor, Tensor],
+                md: ContiguousCacheMetadata, scale: float) -> Tensor:
+        "q [T, nh, hd], k/v [T, nkv, hd] of the new tokens -> [T, nh, hd]; stores k, v first."
+        k_cache, v_cache = kv_cache                           # [max_batch, max_len, nkv, hd]
         nkv, hd = k_cache.shape[-2:]
-        k_cache.view(-1, nkv, hd).index_copy_(0, md.slot_mapping, k)  # slot = row * max_len + position
+        # slot = row * max_len + position
+        k_cache.view(-1, nkv, hd).index_copy_(0, md.slot_mapping, k)
         v_cache.view(-1, nkv, hd).index_copy_(0, md.slot_mapping, v)
-        out = torch.empty_like(q)                                     # [T, nh, hd]
-        for row, start, end, ctx in zip(md.cache_rows, md.query_start_loc, md.query_start_loc[1:], md.context_lens):
-            n = end - start                                           # new tokens of this sequence
-            qs = q[start:end].transpose(0, 1)                         # [nh, n, hd]
-            ks, vs = k_cache[row, :ctx].transpose(0, 1), v_cache[row, :ctx].transpose(0, 1)  # [nkv, ctx, hd]
-            # new token i sits at position ctx - n + i and sees keys 0 … ctx - n + i (not is_causal: see the pitfall)
-            mask = None if n == 1 else torch.ones(n, ctx, dtype=torch.bool, device=q.device).tril(ctx - n)
-            out[start:end] = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale, enable_gqa=True).transpose(0, 1)
+        out = torch.empty_like(q)                             # [T, nh, hd]
+        starts, ends = md.query_start_loc[:-1], md.query_start_loc[1:]
+        for row, start, end, context_len in zip(md.cache_rows, starts, ends, md.context_lens):
+            n = end - start                                   # new tokens of this sequence
+            qs = q[start:end].transpose(0, 1)                 # [nh, n, hd]
+            ks = k_cache[row, :context_len].transpose(0, 1)   # [nkv, context_len, hd]
+            vs = v_cache[row, :context_len].transpose(0, 1)
+            # new token i sits at position context_len - n + i and sees the keys up to there
+            # (not is_causal: see the pitfall below); a single new token sees them all
+            mask = None
+            if n > 1:
+                mask = torch.ones(n, context_len, dtype=torch.bool, device=q.device)
+                mask = mask.tril(context_len - n)
+            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale,
+                                               enable_gqa=True)
+            out[start:end] = o.transpose(0, 1)
         return out
 
 @dataclass
 class ContiguousCacheMetadata:
-    "Where each sequence's new tokens sit in the flat batch and in its cache row; passed down the layers."
-    slot_mapping: Tensor          # [T] row * max_len + position: where each new token's K and V are written
+    "Where each sequence's new tokens sit in the flat batch and in its cache row."
+    slot_mapping: Tensor          # [T] row * max_len + position: where each new token's K, V go
     cache_rows: list[int]         # [B] the cache row each sequence owns
-    query_start_loc: list[int]    # [B+1] sequence b's new tokens are q[query_start_loc[b] : query_start_loc[b+1]]
-    context_lens: list[int]       # [B] tokens cached for each sequence once this step's are stored
+    query_start_loc: list[int]    # [B+1] sequence b's new tokens: q[query_start_loc[b]:[b+1]]
+    context_lens: list[int]       # [B] tokens cached for each sequence once this step's are in
     backend: type = ContiguousAttentionBackend
 
     @classmethod
-    def build(cls, cache_rows: list[int], num_cached: list[int], num_new: list[int], max_len: int, device=None):
-        "Metadata and positions [T] for sequences in `cache_rows` that have `num_cached` tokens stored and `num_new` arriving."
-        positions = torch.cat([torch.arange(c, c + n) for c, n in zip(num_cached, num_new)])       # [T]
-        rows = torch.repeat_interleave(torch.tensor(cache_rows), torch.tensor(num_new))           # [T]
-        qsl = [0]
-        for n in num_new: qsl.append(qsl[-1] + n)
-        md = cls(slot_mapping=(rows * max_len + positions).to(device), cache_rows=list(cache_rows),
-                 query_start_loc=qsl, context_lens=[c + n for c, n in zip(num_cached, num_new)])
+    def build(cls, cache_rows: list[int], num_computed_tokens: list[int],
+              num_new_tokens: list[int], max_len: int, device=None):
+        "Metadata and positions [T] for the new tokens of the sequences in `cache_rows`."
+        pairs = list(zip(num_computed_tokens, num_new_tokens))
+        positions = torch.cat([torch.arange(done, done + new) for done, new in pairs])   # [T]
+        rows = torch.repeat_interleave(torch.tensor(cache_rows), torch.tensor(num_new_tokens))
+        query_start_loc = [0]
+        for new in num_new_tokens:
+            query_start_loc.append(query_start_loc[-1] + new)
+        md = cls(slot_mapping=(rows * max_len + positions).to(device),
+                 cache_rows=list(cache_rows),
+                 query_start_loc=query_start_loc,
+                 context_lens=[done + new for done, new in pairs])
         return md, positions.to(device)
 
 # %% ../nbs/10_kv_cache.ipynb #2098fae0
 @torch.inference_mode()
-def generate_cached(model, prompts: list[list[int]], max_new_tokens: int = 32, eos_token_ids=()) -> list[list[int]]:
-    "Greedy-decode a batch of token-id prompts with a contiguous KV cache: one flat prefill, then one token per sequence per step."
+def generate_cached(model, prompts: list[list[int]], max_new_tokens: int = 32,
+                    eos_token_ids=()) -> list[list[int]]:
+    "Greedy-decode token-id prompts with a contiguous KV cache: one flat prefill, then decodes."
     device = next(model.parameters()).device
     max_len = max(len(p) for p in prompts) + max_new_tokens
     allocate_contiguous_cache(model, len(prompts), max_len)
     outs = [[] for _ in prompts]
     active = list(range(len(prompts)))                  # cache row = prompt index
-    num_cached, new = [0] * len(prompts), [list(p) for p in prompts]
+    num_computed_tokens = [0] * len(prompts)
+    new = [list(p) for p in prompts]                    # each row's tokens not yet in the cache
     try:
         while active:
-            md, positions = ContiguousCacheMetadata.build(active, [num_cached[r] for r in active],
-                                                          [len(new[r]) for r in active], max_len, device)
-            input_ids = torch.tensor([t for r in active for t in new[r]], device=device)          # [T]
-            hidden = model(input_ids, positions, md)                                              # [T, H]
-            last = torch.tensor(md.query_start_loc[1:], device=device) - 1                        # [B] each sequence's last token
-            next_ids = model.compute_logits(hidden[last]).argmax(-1).tolist()                     # [B]
+            md, positions = ContiguousCacheMetadata.build(active,
+                                                          [num_computed_tokens[r] for r in active],
+                                                          [len(new[r]) for r in active],
+                                                          max_len, device)
+            input_ids = torch.tensor([t for r in active for t in new[r]], device=device)  # [T]
+            hidden = model(input_ids, positions, md)                                      # [T, H]
+            # each sequence's last token: [B]
+            last = torch.tensor(md.query_start_loc[1:], device=device) - 1
+            next_ids = model.compute_logits(hidden[last]).argmax(-1).tolist()             # [B]
             for r, t in zip(active, next_ids):
-                num_cached[r] += len(new[r])
+                num_computed_tokens[r] += len(new[r])
                 outs[r].append(t)
                 new[r] = [t]
-            active = [r for r in active if len(outs[r]) < max_new_tokens and outs[r][-1] not in eos_token_ids]
+            active = [r for r in active
+                      if len(outs[r]) < max_new_tokens and outs[r][-1] not in eos_token_ids]
     finally:
-        for layer in model.model.layers: layer.self_attn.kv_cache = None   # give the memory back
+        for layer in model.model.layers:
+            layer.self_attn.kv_cache = None             # give the memory back
     return outs
 
 # %% ../nbs/10_kv_cache.ipynb #306280a1
 @torch.inference_mode()
 def time_decode_step(model, context_len: int, cached: bool, repeats: int = 3) -> float:
-    "Seconds for one generation step at `context_len` tokens: a full forward (no cache) or a one-token decode (cache)."
+    "Seconds for one step at `context_len` tokens: a full forward (no cache) or a one-token decode."
     device = next(model.parameters()).device
     ids = torch.randint(0, model.config.vocab_size, (context_len + 1,), device=device)
-    if not cached:   # chapter 09's step: the whole sequence through the model, logits of the last position
-        step = lambda: model.compute_logits(model.model(ids[:context_len], torch.arange(context_len, device=device))[-1:]).argmax()
+    if not cached:
+        def step():
+            # chapter 09's step: the whole sequence through the model, logits of the last position
+            hidden = model.model(ids[:context_len], torch.arange(context_len, device=device))
+            return model.compute_logits(hidden[-1:]).argmax()
     else:
-        allocate_contiguous_cache(model, 1, context_len + 1)
-        md, pos = ContiguousCacheMetadata.build([0], [0], [context_len], context_len + 1, device)
-        model(ids[:context_len], pos, md)                                           # prefill, not timed
-        md, pos = ContiguousCacheMetadata.build([0], [context_len], [1], context_len + 1, device)
-        step = lambda: model.compute_logits(model(ids[context_len:], pos, md)).argmax()  # rewrites the same slot
+        max_len = context_len + 1
+        allocate_contiguous_cache(model, 1, max_len)
+        md, pos = ContiguousCacheMetadata.build([0], [0], [context_len], max_len, device)
+        model(ids[:context_len], pos, md)                             # prefill, not timed
+        md, pos = ContiguousCacheMetadata.build([0], [context_len], [1], max_len, device)
+        def step():
+            # one decode; every call rewrites the same slot
+            return model.compute_logits(model(ids[context_len:], pos, md)).argmax()
     try:
-        step()                                                                      # warm-up
+        step()                                                        # warm-up
         times = []
         for _ in range(repeats):
-            t = time.perf_counter(); step(); times.append(time.perf_counter() - t)
+            t = time.perf_counter()
+            step()
+            times.append(time.perf_counter() - t)
         return min(times)
     finally:
-        for layer in model.model.layers: layer.self_attn.kv_cache = None
+        for layer in model.model.layers:
+            layer.self_attn.kv_cache = None

@@ -14,9 +14,11 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from .kv_cache import kv_bytes_per_token
+
 # %% auto #0
 __all__ = ['cdiv', 'kv_bytes_per_block', 'num_kv_blocks', 'allocate_kv_cache', 'hash_block', 'Block', 'BlockManager',
-           'AttentionMetadata', 'store_kv', 'gather_blocks', 'TorchAttentionBackend']
+           'check_block_accounting', 'AttentionMetadata', 'store_kv', 'gather_blocks', 'TorchAttentionBackend']
 
 # %% ../nbs/11_paged_blocks.ipynb #aa30035e
 def cdiv(a: int, b: int) -> int:
@@ -24,36 +26,41 @@ def cdiv(a: int, b: int) -> int:
     return -(a // -b)
 
 def kv_bytes_per_block(config, block_size: int, dtype: torch.dtype) -> int:
-    "Bytes one block id costs: K and V of block_size tokens in every layer (pass a list of configs for several models sharing the pool)."
+    "Bytes one block id costs: K and V of block_size tokens in every layer of the model."
+    # a list of configs: several models (a draft beside the target) share the pool, and a block id
+    # names a block in every layer of each
     configs = config if isinstance(config, (list, tuple)) else [config]
-    return sum(2 * c.num_hidden_layers * block_size * c.num_key_value_heads * c.head_dim * dtype.itemsize for c in configs)
+    return block_size * sum(kv_bytes_per_token(c, dtype) for c in configs)
 
 def num_kv_blocks(config, block_size: int, kv_cache_memory: int, dtype: torch.dtype) -> int:
     "How many KV blocks fit in kv_cache_memory bytes."
     per_block = kv_bytes_per_block(config, block_size, dtype)
     n = int(kv_cache_memory) // per_block
     if n < 1:
-        raise ValueError(f"kv_cache_memory={kv_cache_memory} bytes holds no KV block ({per_block} bytes each at block_size={block_size}); "
+        raise ValueError(f"kv_cache_memory={kv_cache_memory} bytes holds no KV block "
+                         f"({per_block} bytes each at block_size={block_size}); "
                          "raise kv_cache_memory (or gpu_memory_utilization) or lower block_size")
     return n
 
 # %% ../nbs/11_paged_blocks.ipynb #961e0a63
-def allocate_kv_cache(model: torch.nn.Module, num_blocks: int, block_size: int, dtype: torch.dtype | None = None,
-                      device: torch.device | str | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    "Create per-layer K and V pools [num_blocks, block_size, num_kv_heads, head_dim] and assign them to each attention module's kv_cache."
+def allocate_kv_cache(model: torch.nn.Module, num_blocks: int, block_size: int,
+                      dtype: torch.dtype | None = None, device: torch.device | str | None = None
+                      ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    "Give each attention module K and V pools [num_blocks, block_size, n_kv_heads, head_dim]."
     p = next(model.parameters())
     dtype, device, cfg = dtype or p.dtype, device or p.device, model.config
+    shape = (num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
     caches = []
     for m in model.modules():
         if hasattr(m, 'kv_cache'):
-            k = torch.zeros(num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim, dtype=dtype, device=device)
+            k = torch.zeros(shape, dtype=dtype, device=device)
             m.kv_cache = (k, torch.zeros_like(k))
             caches.append(m.kv_cache)
     return caches
 
 # %% ../nbs/11_paged_blocks.ipynb #1e88339c
 def hash_block(parent: int | None, token_ids) -> int:
-    "Chained 128-bit hash of one full block: BLAKE2b over (parent block's hash, this block's token ids)."
+    "Chained 128-bit hash of a full block: BLAKE2b of (parent block's hash, this block's tokens)."
     h = hashlib.blake2b(digest_size=16)
     h.update((parent if parent is not None else 0).to_bytes(16, 'little'))
     h.update(array('q', token_ids).tobytes())
@@ -62,77 +69,95 @@ def hash_block(parent: int | None, token_ids) -> int:
 # %% ../nbs/11_paged_blocks.ipynb #e23faf02
 @dataclass(eq=False)
 class Block:
-    "One physical KV block: how many sequences use it and, once full and computed, its prefix hash and tokens."
+    "One physical KV block: how many sequences use it and, once full and computed, its prefix."
     block_id: int
     ref_count: int = 0
     hash: int | None = None
     token_ids: tuple = ()
 
 class BlockManager:
-    "Hands out KV blocks: a free list in LRU order, refcounts, and a prefix cache of full computed blocks."
+    "Hands out KV blocks: a free list in LRU order, refcounts, and a prefix cache of full blocks."
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
-        if num_blocks < 1 or block_size < 1: raise ValueError(f"need num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}")
-        self.num_blocks, self.block_size, self.enable_prefix_caching = num_blocks, block_size, enable_prefix_caching
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(f"need num_blocks >= 1 and block_size >= 1, "
+                             f"got {num_blocks}, {block_size}")
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_ids = OrderedDict.fromkeys(range(num_blocks))  # evicted from the front
         self.cached: dict[int, int] = {}                          # prefix hash -> block id
         self.num_queried_tokens = self.num_hit_tokens = 0
 
     @property
-    def num_free_blocks(self) -> int: return len(self.free_ids)
+    def num_free_blocks(self) -> int:
+        return len(self.free_ids)
+
     @property
-    def num_used_blocks(self) -> int: return self.num_blocks - len(self.free_ids)
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - len(self.free_ids)
+
     @property
-    def prefix_hit_rate(self) -> float: return self.num_hit_tokens / max(self.num_queried_tokens, 1)
+    def prefix_hit_rate(self) -> float:
+        return self.num_hit_tokens / max(self.num_queried_tokens, 1)
 
     def _take(self) -> int:
         "Pop the least recently freed block, forgetting the prefix it held."
         assert self.free_ids, "out of KV blocks: ask can_allocate/can_append first"
-        bid, _ = self.free_ids.popitem(last=False)
-        b = self.blocks[bid]
-        if b.hash is not None and self.cached.get(b.hash) == bid: del self.cached[b.hash]
-        b.ref_count, b.hash, b.token_ids = 1, None, ()
-        return bid
+        block_id, _ = self.free_ids.popitem(last=False)
+        block = self.blocks[block_id]
+        if block.hash is not None and self.cached.get(block.hash) == block_id:
+            del self.cached[block.hash]
+        block.ref_count, block.hash, block.token_ids = 1, None, ()
+        return block_id
 
     def _release(self, block_ids):
         "Drop one reference to each block; unused ones join the free list, keeping their prefix."
-        for bid in reversed(block_ids):  # a sequence's tail is evicted before its (more shareable) head
-            b = self.blocks[bid]
-            b.ref_count -= 1
-            assert b.ref_count >= 0, f"block {bid} freed twice"
-            if b.ref_count == 0:
-                self.free_ids[bid] = None
-                if b.hash is None: self.free_ids.move_to_end(bid, last=False)  # nothing to keep: reuse it first
+        # a sequence's tail is evicted before its (more shareable) head
+        for block_id in reversed(block_ids):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            assert block.ref_count >= 0, f"block {block_id} freed twice"
+            if block.ref_count == 0:
+                self.free_ids[block_id] = None
+                if block.hash is None:                   # nothing to keep: reuse it first
+                    self.free_ids.move_to_end(block_id, last=False)
 
     def _lookup(self, seq) -> list[int]:
-        "Cached blocks holding a verified prefix of seq, never including the block of its last token."
-        if not self.enable_prefix_caching: return []
+        "Cached blocks holding a verified prefix of seq, never the block of its last token."
+        if not self.enable_prefix_caching:
+            return []
         bs, hits, h = self.block_size, [], None
         for i in range((len(seq.token_ids) - 1) // bs):
-            toks = tuple(seq.token_ids[i * bs:(i + 1) * bs])
-            h = hash_block(h, toks)
-            bid = self.cached.get(h)
-            if bid is None or self.blocks[bid].token_ids != toks: break  # miss (or a collision, caught)
-            hits.append(bid)
+            tokens = tuple(seq.token_ids[i * bs:(i + 1) * bs])
+            h = hash_block(h, tokens)
+            block_id = self.cached.get(h)
+            if block_id is None or self.blocks[block_id].token_ids != tokens:
+                break                                    # a miss (or a collision, caught)
+            hits.append(block_id)
         return hits
 
     def can_allocate(self, seq) -> bool:
-        "Whether blocks for all of seq's tokens fit, counting prefix hits (a hit on a free block still takes it off the free list)."
+        "Whether blocks for all of seq's tokens fit, counting prefix hits."
         hits = self._lookup(seq)
-        revived = sum(self.blocks[b].ref_count == 0 for b in hits)
-        return cdiv(len(seq.token_ids), self.block_size) - len(hits) + revived <= self.num_free_blocks
+        # a hit on a free block still takes it off the free list
+        revived = sum(self.blocks[block_id].ref_count == 0 for block_id in hits)
+        needed = cdiv(len(seq.token_ids), self.block_size) - len(hits) + revived
+        return needed <= self.num_free_blocks
 
     def allocate(self, seq) -> int:
-        "Give seq blocks for all its tokens, reusing cached prefix blocks; return the number of cached tokens."
+        "Give seq blocks for all its tokens, reusing cached prefix blocks; return the tokens found."
         assert not seq.block_table, "allocate() is for a sequence that holds no blocks"
         hits = self._lookup(seq)
-        for bid in hits:
-            if self.blocks[bid].ref_count == 0: del self.free_ids[bid]  # revive
-            self.blocks[bid].ref_count += 1
-        seq.block_table = hits + [self._take() for _ in range(cdiv(len(seq.token_ids), self.block_size) - len(hits))]
+        for block_id in hits:
+            if self.blocks[block_id].ref_count == 0:
+                del self.free_ids[block_id]              # revive
+            self.blocks[block_id].ref_count += 1
+        num_missing = cdiv(len(seq.token_ids), self.block_size) - len(hits)
+        seq.block_table = hits + [self._take() for _ in range(num_missing)]
+        num_cached_tokens = len(hits) * self.block_size
         self.num_queried_tokens += len(seq.token_ids)
-        self.num_hit_tokens += len(hits) * self.block_size
-        return len(hits) * self.block_size
+        self.num_hit_tokens += num_cached_tokens
+        return num_cached_tokens
 
     def _missing(self, seq, n: int) -> int:
         "Blocks seq's table lacks to hold its next n tokens."
@@ -143,146 +168,217 @@ class BlockManager:
         return self._missing(seq, n) <= self.num_free_blocks
 
     def append_slots(self, seq, n: int = 1):
-        "Grow seq's block table to hold its next n tokens (positions num_computed_tokens … + n − 1)."
-        for _ in range(self._missing(seq, n)): seq.block_table.append(self._take())
+        "Grow seq's block table to hold its next n tokens (num_computed_tokens … + n − 1)."
+        for _ in range(self._missing(seq, n)):
+            seq.block_table.append(self._take())
 
     def commit(self, seq):
         "Hash seq's full blocks whose tokens are all computed, so later requests can reuse them."
-        if not self.enable_prefix_caching: return
+        if not self.enable_prefix_caching:
+            return
         bs, table = self.block_size, seq.block_table
-        n = min(seq.num_computed_tokens, len(seq.token_ids)) // bs
-        i = n
-        while i > 0 and self.blocks[table[i - 1]].hash is None: i -= 1  # walk back to the last hashed block
+        num_full = min(seq.num_computed_tokens, len(seq.token_ids)) // bs
+        # walk back to the last block already hashed; the chain goes on from its hash
+        i = num_full
+        while i > 0 and self.blocks[table[i - 1]].hash is None:
+            i -= 1
         h = self.blocks[table[i - 1]].hash if i else None
-        for j in range(i, n):
-            b, toks = self.blocks[table[j]], tuple(seq.token_ids[j * bs:(j + 1) * bs])
-            b.hash, b.token_ids = (h := hash_block(h, toks)), toks
-            self.cached.setdefault(h, b.block_id)  # an identical block already cached keeps its entry
+        for j in range(i, num_full):
+            block, tokens = self.blocks[table[j]], tuple(seq.token_ids[j * bs:(j + 1) * bs])
+            h = hash_block(h, tokens)
+            block.hash, block.token_ids = h, tokens
+            # an identical block already cached keeps its entry
+            self.cached.setdefault(h, block.block_id)
 
     def truncate(self, seq, num_tokens: int):
-        "Keep only the blocks for seq's first num_tokens tokens (rejected drafts); a block no longer full loses its hash."
+        "Keep seq's blocks for its first num_tokens tokens; a block left partial loses its hash."
         keep = cdiv(num_tokens, self.block_size)
         self._release(seq.block_table[keep:])
         del seq.block_table[keep:]
         if num_tokens % self.block_size and keep:
-            b = self.blocks[seq.block_table[-1]]
-            assert b.ref_count == 1 or b.hash is None, "truncating into a shared block"
-            if b.hash is not None and self.cached.get(b.hash) == b.block_id: del self.cached[b.hash]
-            b.hash, b.token_ids = None, ()
+            block = self.blocks[seq.block_table[-1]]
+            assert block.ref_count == 1 or block.hash is None, "truncating into a shared block"
+            if block.hash is not None and self.cached.get(block.hash) == block.block_id:
+                del self.cached[block.hash]
+            block.hash, block.token_ids = None, ()
 
     def free(self, seq):
         "Drop seq's references to its blocks; blocks nobody uses stay revivable until reused."
         self._release(seq.block_table)
         seq.block_table = []
 
+# %% ../nbs/11_paged_blocks.ipynb #299d3115
+def check_block_accounting(block_manager: BlockManager, seqs) -> None:
+    "Assert the pool's books balance, given `seqs`: all the sequences that hold blocks."
+    bm, bs = block_manager, block_manager.block_size
+    refs = [0] * bm.num_blocks                   # block-table references to each block
+    for seq in seqs:
+        for block_id in seq.block_table:
+            refs[block_id] += 1
+    assert [block.ref_count for block in bm.blocks] == refs, "refcounts != block-table references"
+    assert set(bm.free_ids) == {i for i, r in enumerate(refs) if r == 0}, "free list != unused"
+    assert bm.num_used_blocks + bm.num_free_blocks == bm.num_blocks
+    for h, block_id in bm.cached.items():        # the prefix cache names full, hashed blocks
+        block = bm.blocks[block_id]
+        assert block.hash == h and len(block.token_ids) == bs, f"cached block {block_id}"
+    for seq in seqs:                             # a hashed block holds its sequence's tokens
+        for i, block_id in enumerate(seq.block_table):
+            block = bm.blocks[block_id]
+            if block.hash is not None:
+                assert block.token_ids == tuple(seq.token_ids[i * bs:(i + 1) * bs]), block_id
+
 # %% ../nbs/11_paged_blocks.ipynb #6b2cb4f7
 @dataclass
 class AttentionMetadata:
     "Where every token of a flat batch writes its K/V and which cached K/V each sequence reads."
-    slot_mapping: torch.Tensor     # [T] long: block * block_size + offset of each new token; -1 = padding
-    block_tables: torch.Tensor     # [B, max_blocks] int32, padded with 0
-    context_lens: torch.Tensor     # [B] int32: tokens in the cache after this step
-    query_start_loc: torch.Tensor  # [B+1] int32: sequence i's new tokens are rows query_start_loc[i]:[i+1]
-    positions: torch.Tensor        # [T] long: absolute position of each new token (for RoPE)
-    num_decodes: int               # the first num_decodes sequences have exactly one new token
-    num_decode_tokens: int
-    num_prefill_tokens: int
-    max_query_len: int             # host-side, so forward never calls .item()
-    max_context_len: int
-    query_start_loc_cpu: list[int]
+    slot_mapping: torch.Tensor      # [T] long: block * block_size + offset per token; -1 = padding
+    block_tables: torch.Tensor      # [B, max_blocks] int32, padded with 0
+    context_lens: torch.Tensor      # [B] int32: tokens in the cache after this step
+    query_start_loc: torch.Tensor   # [B+1] int32: sequence i's rows are query_start_loc[i]:[i+1]
+    positions: torch.Tensor         # [T] long: absolute position of each new token (for RoPE)
+    num_decodes: int                # the first num_decodes sequences have exactly one new token
+    query_start_loc_cpu: list[int]  # host-side copies, so that forward never calls .item()
     context_lens_cpu: list[int]
-    backend: Any = None
+    backend: Any                    # its forward is what the attention layers call
 
     @classmethod
-    def build(cls, block_tables: list[list[int]], num_computed: list[int], num_new: list[int], block_size: int,
-              device: torch.device | str | None = None, backend: Any = None) -> AttentionMetadata:
-        "Metadata for sequences with these block tables, num_computed tokens already cached and num_new tokens to run now."
-        B = len(num_new)
-        ctx = [c + n for c, n in zip(num_computed, num_new)]
-        for i, (t, c) in enumerate(zip(block_tables, ctx)):
-            if len(t) * block_size < c: raise ValueError(f"sequence {i}: block table of {len(t)} blocks cannot hold {c} tokens")
-        width = max([len(t) for t in block_tables] + [1])
-        bt = torch.tensor([list(t) + [0] * (width - len(t)) for t in block_tables], dtype=torch.int32).view(B, width)
-        qsl = [0]
-        for n in num_new: qsl.append(qsl[-1] + n)
-        seq_idx = torch.repeat_interleave(torch.arange(B), torch.tensor(num_new, dtype=torch.long))   # [T]: sequence of each token
-        pos = torch.tensor(num_computed, dtype=torch.long)[seq_idx] + torch.arange(qsl[-1]) - torch.tensor(qsl[:-1], dtype=torch.long)[seq_idx]
-        slots = bt[seq_idx, pos // block_size].long() * block_size + pos % block_size
-        nd = 0
-        while nd < B and num_new[nd] == 1: nd += 1
-        to = lambda x: x.to(device, non_blocking=True) if device is not None else x
-        return cls(to(slots), to(bt), to(torch.tensor(ctx, dtype=torch.int32)), to(torch.tensor(qsl, dtype=torch.int32)), to(pos),
-                   num_decodes=nd, num_decode_tokens=nd, num_prefill_tokens=qsl[-1] - nd,
-                   max_query_len=max(num_new, default=0), max_context_len=max(ctx, default=0),
-                   query_start_loc_cpu=qsl, context_lens_cpu=ctx, backend=backend if backend is not None else TorchAttentionBackend())
+    def build(cls, block_tables: list[list[int]], num_computed_tokens: list[int],
+              num_new_tokens: list[int], block_size: int, device: torch.device | str | None,
+              backend: Any) -> AttentionMetadata:
+        "Metadata for sequences with these block tables, tokens already cached and tokens to run."
+        num_seqs = len(num_new_tokens)
+        context_lens = [done + new for done, new in zip(num_computed_tokens, num_new_tokens)]
+        for i, (table, context_len) in enumerate(zip(block_tables, context_lens)):
+            if len(table) * block_size < context_len:
+                raise ValueError(f"sequence {i}: block table of {len(table)} blocks "
+                                 f"cannot hold {context_len} tokens")
+        width = max([len(table) for table in block_tables] + [1])
+        padded = [list(table) + [0] * (width - len(table)) for table in block_tables]
+        tables = torch.tensor(padded, dtype=torch.int32).view(num_seqs, width)   # [B, width]
+        query_start_loc = [0]
+        for new in num_new_tokens:
+            query_start_loc.append(query_start_loc[-1] + new)
+        # each token of the flat batch: its sequence, its offset among that sequence's new tokens,
+        # its absolute position, and the slot its K/V go to
+        seq_of_token = torch.repeat_interleave(torch.arange(num_seqs),
+                                               torch.tensor(num_new_tokens, dtype=torch.long))
+        first_row = torch.tensor(query_start_loc[:-1], dtype=torch.long)[seq_of_token]
+        offset = torch.arange(query_start_loc[-1]) - first_row
+        positions = torch.tensor(num_computed_tokens, dtype=torch.long)[seq_of_token] + offset
+        block_ids = tables[seq_of_token, positions // block_size].long()
+        slot_mapping = block_ids * block_size + positions % block_size
+        # decodes come first: count the leading sequences with exactly one new token
+        num_decodes = 0
+        while num_decodes < num_seqs and num_new_tokens[num_decodes] == 1:
+            num_decodes += 1
+
+        def to_device(x: torch.Tensor) -> torch.Tensor:
+            return x.to(device, non_blocking=True) if device is not None else x
+
+        return cls(slot_mapping=to_device(slot_mapping),
+                   block_tables=to_device(tables),
+                   context_lens=to_device(torch.tensor(context_lens, dtype=torch.int32)),
+                   query_start_loc=to_device(torch.tensor(query_start_loc, dtype=torch.int32)),
+                   positions=to_device(positions),
+                   num_decodes=num_decodes,
+                   query_start_loc_cpu=query_start_loc,
+                   context_lens_cpu=context_lens,
+                   backend=backend)
 
 # %% ../nbs/11_paged_blocks.ipynb #87633e33
-def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor):
+def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor):
     "Write new keys/values [T, nkv, hd] into their cache slots, skipping padding (slot -1)."
     keep = slot_mapping >= 0
     slots = slot_mapping[keep]
     k_cache.view(-1, *k_cache.shape[2:])[slots] = k[keep]
     v_cache.view(-1, *v_cache.shape[2:])[slots] = v[keep]
 
-def gather_blocks(cache: torch.Tensor, table: torch.Tensor, scratch: torch.Tensor | None = None) -> torch.Tensor:
-    "Copy the listed blocks out of a pool: cache [N, bs, nkv, hd], table [..., n] -> [..., n * bs, nkv, hd], into scratch's memory if given."
+def gather_blocks(cache: torch.Tensor, table: torch.Tensor,
+                  scratch: torch.Tensor | None = None) -> torch.Tensor:
+    "Copy a table's blocks out of a pool [N, bs, nkv, hd]: [..., n] -> [..., n * bs, nkv, hd]."
     idx = table.reshape(-1)
     shape = (idx.numel(), *cache.shape[1:])
-    out = None if scratch is None else scratch[:math.prod(shape)].view(shape)
-    out = torch.index_select(cache, 0, idx, out=out)   # on CPU several times faster than cache[table] (advanced indexing)
+    out = None if scratch is None else scratch[:math.prod(shape)].view(shape)   # reuse its memory
+    # on a CPU several times faster than cache[table] (advanced indexing)
+    out = torch.index_select(cache, 0, idx, out=out)
     return out.view(*table.shape[:-1], table.shape[-1] * cache.shape[1], *cache.shape[2:])
 
 def _sdpa(q, k, v, mask, scale):
-    "q [B, nh, Lq, hd], k/v [B, nkv, Lk, hd], bool mask [B or 1, 1, Lq or 1, Lk] or None (see everything) -> [B, nh, Lq, hd]."
+    "q [B, nh, Lq, hd], k/v [B, nkv, Lk, hd], mask [B|1, 1, Lq|1, Lk] or None -> [B, nh, Lq, hd]"
     B, nh, Lq, hd = q.shape
-    g = nh // k.shape[1]   # GQA: query heads j*g … j*g+g-1 share kv head j, so they ride along as extra query rows
-    q = q.reshape(B, k.shape[1], g * Lq, hd)                           # rows ordered (head in group, query)
+    nkv = k.shape[1]
+    # GQA: query heads j*g … j*g+g-1 share kv head j, so they ride along as extra query rows
+    g = nh // nkv
+    q = q.reshape(B, nkv, g * Lq, hd)                 # rows ordered (head in group, query)
     if mask is not None and mask.shape[-2] > 1:
-        mask = mask.repeat(1, 1, g, 1)                                 # one copy of the mask per head in the group
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale).reshape(B, nh, Lq, hd)
+        mask = mask.repeat(1, 1, g, 1)                # one copy of the mask per head in the group
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)  # [B, nkv, g*Lq, hd]
+    return out.reshape(B, nh, Lq, hd)
 
 class TorchAttentionBackend:
-    "Reference paged attention: store new K/V by slot, gather each sequence's context by block table, scaled_dot_product_attention."
+    "Reference paged attention: store K/V by slot, gather contexts by block table, then SDPA."
     name = 'torch'
 
     def __init__(self, batch_decodes: bool | None = None):
-        self.batch_decodes = batch_decodes   # None: batched on a GPU (one call), one sequence at a time on a CPU (no padded work)
+        # None: batched on a GPU (one call), one sequence at a time on a CPU (no padded work)
+        self.batch_decodes = batch_decodes
         self._scratch: dict[str, torch.Tensor] = {}
 
     def scratch(self, name: str, numel: int, like: torch.Tensor) -> torch.Tensor:
-        "A reusable flat buffer of at least numel elements: a fresh large CPU tensor costs a page fault per 4 KiB, more than the copy."
+        "A reusable flat buffer of at least numel elements (see the pitfall on fresh CPU tensors)."
         buf = self._scratch.get(name)
-        if buf is None or buf.numel() < numel or buf.dtype != like.dtype or buf.device != like.device:
-            buf = self._scratch[name] = torch.empty(int(numel * 1.25), dtype=like.dtype, device=like.device)
+        fits = buf is not None and buf.numel() >= numel
+        if not fits or buf.dtype != like.dtype or buf.device != like.device:
+            buf = torch.empty(int(numel * 1.25), dtype=like.dtype, device=like.device)
+            self._scratch[name] = buf
         return buf
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache, md: AttentionMetadata, scale: float) -> torch.Tensor:
-        "q [T, nh, hd], k/v [T, nkv, hd] -> [T, nh, hd], attending over each sequence's cached context."
-        k_cache, v_cache = kv_cache                                    # [num_blocks, block_size, nkv, hd]
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache,
+                md: AttentionMetadata, scale: float) -> torch.Tensor:
+        "q [T, nh, hd], k/v [T, nkv, hd] -> [T, nh, hd], attending to each sequence's context."
+        k_cache, v_cache = kv_cache                   # [num_blocks, block_size, nkv, hd]
         store_kv(k, v, k_cache, v_cache, md.slot_mapping)
-        bs, out = k_cache.shape[1], torch.empty_like(q)
+        block_size = k_cache.shape[1]
+        block_numel = k_cache[0].numel()              # elements in one block of K (or V)
+        out = torch.empty_like(q)
         batched = q.is_cuda if self.batch_decodes is None else self.batch_decodes
-        nd = md.num_decodes if batched else 0
-        if nd:                                                         # one query per sequence: one batched call
-            nblk = max(1, cdiv(max(md.context_lens_cpu[:nd]), bs))     # gather no further than the longest decode
-            table = md.block_tables[:nd, :nblk]                        # [D, nblk]
-            size = table.numel() * k_cache[0].numel()
-            kd = gather_blocks(k_cache, table, self.scratch('k', size, k_cache)).transpose(1, 2)   # [D, nkv, nblk*bs, hd]
-            vd = gather_blocks(v_cache, table, self.scratch('v', size, v_cache)).transpose(1, 2)
-            lens = md.context_lens[:nd].clamp(min=1)                   # padding rows (len 0) attend to slot 0, not to nothing (NaN)
-            mask = torch.arange(nblk * bs, device=q.device) < lens[:, None]               # [D, nblk*bs]
-            qd = q[:md.num_decode_tokens].unsqueeze(2)                 # [D, nh, 1, hd]
-            out[:md.num_decode_tokens] = _sdpa(qd, kd, vd, mask[:, None, None, :], scale).squeeze(2)
-        qsl, ctx = md.query_start_loc_cpu, md.context_lens_cpu
-        for i in range(nd, len(ctx)):                                  # prefill chunks (and unbatched decodes), one sequence at a time
-            s, e, c = qsl[i], qsl[i + 1], max(ctx[i], 1)               # a padding row (len 0) attends to slot 0, not to nothing
-            table = md.block_tables[i, :cdiv(c, bs)]
-            size = table.numel() * k_cache[0].numel()
-            ki = gather_blocks(k_cache, table, self.scratch('k', size, k_cache))[:c].transpose(0, 1)   # [nkv, c, hd]
-            vi = gather_blocks(v_cache, table, self.scratch('v', size, v_cache))[:c].transpose(0, 1)
-            mask = None                                                # a decode: its one query sees its whole context
-            if e - s > 1:
-                q_pos = torch.arange(c - (e - s), c, device=q.device) # absolute positions of the chunk's queries
-                mask = (torch.arange(c, device=q.device)[None, :] <= q_pos[:, None])[None, None]   # [1, 1, q, c]
-            out[s:e] = _sdpa(q[s:e].transpose(0, 1)[None], ki[None], vi[None], mask, scale)[0].transpose(0, 1)
+        num_decodes = md.num_decodes if batched else 0
+        if num_decodes:
+            # one query per sequence: one batched call over the first num_decodes rows of q,
+            # gathering no further than the longest decode
+            longest = max(md.context_lens_cpu[:num_decodes])
+            num_blocks = max(1, cdiv(longest, block_size))
+            table = md.block_tables[:num_decodes, :num_blocks]             # [D, num_blocks]
+            size = table.numel() * block_numel
+            keys = gather_blocks(k_cache, table, self.scratch('k', size, k_cache))
+            values = gather_blocks(v_cache, table, self.scratch('v', size, v_cache))
+            keys, values = keys.transpose(1, 2), values.transpose(1, 2)   # [D, nkv, L, hd]
+            # padding rows (length 0) attend to slot 0, not to nothing (which would give NaN)
+            context_lens = md.context_lens[:num_decodes].clamp(min=1)     # [D]
+            slots = torch.arange(num_blocks * block_size, device=q.device)
+            mask = slots < context_lens[:, None]                          # [D, L]
+            queries = q[:num_decodes].unsqueeze(2)                        # [D, nh, 1, hd]
+            o = _sdpa(queries, keys, values, mask[:, None, None, :], scale)
+            out[:num_decodes] = o.squeeze(2)
+        # prefill chunks (and unbatched decodes), one sequence at a time
+        for i in range(num_decodes, len(md.context_lens_cpu)):
+            start, end = md.query_start_loc_cpu[i], md.query_start_loc_cpu[i + 1]
+            num_queries = end - start
+            # a padding row (length 0) attends to slot 0, not to nothing
+            context_len = max(md.context_lens_cpu[i], 1)
+            table = md.block_tables[i, :cdiv(context_len, block_size)]
+            size = table.numel() * block_numel
+            keys = gather_blocks(k_cache, table, self.scratch('k', size, k_cache))[:context_len]
+            values = gather_blocks(v_cache, table, self.scratch('v', size, v_cache))[:context_len]
+            mask = None                               # a decode: its one query sees everything
+            if num_queries > 1:
+                # the chunk's queries are the last num_queries positions of the context
+                q_pos = torch.arange(context_len - num_queries, context_len, device=q.device)
+                k_pos = torch.arange(context_len, device=q.device)
+                mask = (k_pos[None, :] <= q_pos[:, None])[None, None]   # [1, 1, queries, context]
+            o = _sdpa(q[start:end].transpose(0, 1)[None],                 # [1, nh, queries, hd]
+                      keys.transpose(0, 1)[None],                         # [1, nkv, context, hd]
+                      values.transpose(0, 1)[None], mask, scale)
+            out[start:end] = o[0].transpose(0, 1)
         return out

@@ -19,13 +19,15 @@ def _fail(name, value, valid):
 
 def _number(name, value, valid, ok) -> float:
     "Check that `value` is a real, finite number satisfying `ok`; return it as a float."
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or not ok(value):
+    is_number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if not is_number or not math.isfinite(value) or not ok(value):
         _fail(name, value, valid)
     return float(value)
 
 def _integer(name, value, valid, ok) -> int:
     "Check that `value` is an int (not a bool) satisfying `ok`."
-    if isinstance(value, bool) or not isinstance(value, int) or not ok(value): _fail(name, value, valid)
+    if isinstance(value, bool) or not isinstance(value, int) or not ok(value):
+        _fail(name, value, valid)
     return value
 
 # %% ../nbs/08_sampling.ipynb #98e4e265
@@ -51,25 +53,37 @@ class SamplingParams:
 
     def __post_init__(self):
         self.n = _integer('n', self.n, 'an int >= 1', lambda v: v >= 1)
-        self.temperature = _number('temperature', self.temperature, 'a number >= 0 (0 = greedy)', lambda v: v >= 0)
-        self.top_k = _integer('top_k', self.top_k, 'an int >= 0, or -1 (0 and -1 disable it)', lambda v: v >= -1)
-        self.top_p = _number('top_p', self.top_p, 'in (0, 1] (1 disables it)', lambda v: 0 < v <= 1)
-        self.min_p = _number('min_p', self.min_p, 'in [0, 1] (0 disables it)', lambda v: 0 <= v <= 1)
+        self.temperature = _number('temperature', self.temperature,
+                                   'a number >= 0 (0 = greedy)', lambda v: v >= 0)
+        self.top_k = _integer('top_k', self.top_k,
+                              'an int >= 0, or -1 (0 and -1 disable it)', lambda v: v >= -1)
+        self.top_p = _number('top_p', self.top_p,
+                             'in (0, 1] (1 disables it)', lambda v: 0 < v <= 1)
+        self.min_p = _number('min_p', self.min_p,
+                             'in [0, 1] (0 disables it)', lambda v: 0 <= v <= 1)
         self.repetition_penalty = _number('repetition_penalty', self.repetition_penalty,
                                           'a number > 0 (1 disables it)', lambda v: v > 0)
-        self.presence_penalty = _number('presence_penalty', self.presence_penalty, 'in [-2, 2]', lambda v: -2 <= v <= 2)
-        self.frequency_penalty = _number('frequency_penalty', self.frequency_penalty, 'in [-2, 2]', lambda v: -2 <= v <= 2)
-        if self.seed is not None: _integer('seed', self.seed, 'an int or None', lambda v: True)
+        self.presence_penalty = _number('presence_penalty', self.presence_penalty,
+                                        'in [-2, 2]', lambda v: -2 <= v <= 2)
+        self.frequency_penalty = _number('frequency_penalty', self.frequency_penalty,
+                                         'in [-2, 2]', lambda v: -2 <= v <= 2)
+        if self.seed is not None:
+            _integer('seed', self.seed, 'an int or None', lambda v: True)
         self.max_tokens = _integer('max_tokens', self.max_tokens, 'an int >= 1', lambda v: v >= 1)
-        self.min_tokens = _integer('min_tokens', self.min_tokens, f'an int in [0, max_tokens={self.max_tokens}]',
+        self.min_tokens = _integer('min_tokens', self.min_tokens,
+                                   f'an int in [0, max_tokens={self.max_tokens}]',
                                    lambda v: 0 <= v <= self.max_tokens)
-        if isinstance(self.stop, str): self.stop = [self.stop]
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
         self.stop = list(self.stop or [])
-        if not all(isinstance(s, str) and s for s in self.stop): _fail('stop', self.stop, 'a string or a list of non-empty strings')
+        if not all(isinstance(s, str) and s for s in self.stop):
+            _fail('stop', self.stop, 'a string or a list of non-empty strings')
         self.stop_token_ids = list(self.stop_token_ids or [])
-        if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids):
+        if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
+                   for t in self.stop_token_ids):
             _fail('stop_token_ids', self.stop_token_ids, 'a list of token ids (ints >= 0)')
-        if self.logprobs is not None: _integer('logprobs', self.logprobs, 'None or an int >= 0', lambda v: v >= 0)
+        if self.logprobs is not None:
+            _integer('logprobs', self.logprobs, 'None or an int >= 0', lambda v: v >= 0)
 
     @property
     def greedy(self) -> bool:
@@ -77,19 +91,22 @@ class SamplingParams:
         return self.temperature == 0
 
     def stop_token_set(self, eos_token_ids=()) -> set[int]:
-        "The token ids that end this request: the model's eos ids (unless `ignore_eos`) plus `stop_token_ids`."
+        "The token ids that end this request: eos ids (unless `ignore_eos`) plus `stop_token_ids`."
         return set(self.stop_token_ids) | (set() if self.ignore_eos else set(eos_token_ids))
 
     def for_sample(self, i: int) -> SamplingParams:
-        "Params for completion `i` of `n`: n=1 and, when seeded, a seed of its own so the n samples differ."
+        "Params for completion `i` of `n`: n=1 and, if seeded, a seed of its own so samples differ."
         return replace(self, n=1, seed=None if self.seed is None else seed_for(self.seed, -1 - i))
 
     @classmethod
     def from_generation_config(cls, gc: dict | None, **overrides) -> SamplingParams:
-        "Defaults from a model's generation_config.json dict, then `overrides` (an override of None keeps the default)."
+        "Defaults from a generation_config.json dict, then `overrides` (None keeps the default)."
         gc = gc or {}
-        kw = {k: gc[k] for k in ('temperature', 'top_p', 'top_k', 'min_p', 'repetition_penalty') if gc.get(k) is not None}
-        if gc.get('do_sample') is False: kw['temperature'] = 0.0  # HF: do_sample=False is greedy whatever the temperature
+        keys = ('temperature', 'top_p', 'top_k', 'min_p', 'repetition_penalty')
+        kw = {k: gc[k] for k in keys if gc.get(k) is not None}
+        # HF: do_sample=False is greedy whatever the temperature
+        if gc.get('do_sample') is False:
+            kw['temperature'] = 0.0
         kw.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**kw)
 
@@ -98,18 +115,22 @@ def token_counts(token_ids: list[list[int]], vocab_size: int, device=None) -> to
     "How often each vocabulary id occurs in each row's list: [R, V] int32."
     counts = torch.zeros(len(token_ids), vocab_size, dtype=torch.int32, device=device)
     for r, ids in enumerate(token_ids):
-        if ids: counts[r].index_add_(0, torch.tensor(ids, device=device), torch.ones(len(ids), dtype=torch.int32, device=device))
+        if ids:
+            ones = torch.ones(len(ids), dtype=torch.int32, device=device)
+            counts[r].index_add_(0, torch.tensor(ids, device=device), ones)
     return counts
 
-def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: torch.Tensor) -> torch.Tensor:
-    "HF's repetition penalty: seen tokens' logits divided (if > 0) or multiplied (if < 0) by the row's penalty."
-    penalty = penalty.unsqueeze(-1)                                                     # [R, 1]
-    penalized = torch.where(logits < 0, logits * penalty, logits / penalty)             # [R, V]
+def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor,
+                             penalty: torch.Tensor) -> torch.Tensor:
+    "HF's repetition penalty: seen logits > 0 are divided by the row's penalty, < 0 multiplied."
+    penalty = penalty.unsqueeze(-1)                                         # [R, 1]
+    penalized = torch.where(logits < 0, logits * penalty, logits / penalty) # [R, V]
     return torch.where(seen, penalized, logits)
 
 # %% ../nbs/08_sampling.ipynb #e672836b
-def apply_penalties(logits: torch.Tensor, counts: torch.Tensor, presence: torch.Tensor, frequency: torch.Tensor) -> torch.Tensor:
-    "OpenAI's additive penalties from output-token `counts` [R, V]: logit -= frequency*count + presence*(count > 0)."
+def apply_penalties(logits: torch.Tensor, counts: torch.Tensor, presence: torch.Tensor,
+                    frequency: torch.Tensor) -> torch.Tensor:
+    "OpenAI's penalties from output counts [R, V]: logit -= frequency*count + presence*(count > 0)."
     return logits - frequency.unsqueeze(-1) * counts - presence.unsqueeze(-1) * (counts > 0)
 
 # %% ../nbs/08_sampling.ipynb #1b32f773
@@ -120,33 +141,35 @@ def apply_temperature(logits: torch.Tensor, temperature: torch.Tensor) -> torch.
 
 # %% ../nbs/08_sampling.ipynb #12f6016b
 def apply_top_k(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
-    "Keep each row's top_k [R] largest logits (ties with the k-th kept, as HF); k <= 0 keeps the whole row."
+    "Keep each row's top_k [R] largest logits (ties with the k-th kept, as HF); k <= 0 keeps all."
     V = logits.shape[-1]
-    k = torch.where(top_k > 0, top_k.clamp(max=V), torch.full_like(top_k, V))       # [R]
-    top = logits.topk(int(k.max()), dim=-1).values                                 # [R, k_max], descending
-    kth = top.gather(-1, (k - 1).unsqueeze(-1))                                    # [R, 1]
+    k = torch.where(top_k > 0, top_k.clamp(max=V), torch.full_like(top_k, V))   # [R]
+    # each row's k_max largest logits, descending: [R, k_max]
+    top = logits.topk(int(k.max()), dim=-1).values
+    kth = top.gather(-1, (k - 1).unsqueeze(-1))                                  # [R, 1]
     return logits.masked_fill(logits < kth, -math.inf)
 
 # %% ../nbs/08_sampling.ipynb #e380996a
 def apply_top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    "Nucleus filter: keep the most likely tokens whose probability adds up to top_p [R] (HF's rule, per row)."
-    sorted_logits, order = logits.sort(dim=-1)                                     # ascending, [R, V]
-    cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)                            # [R, V]
+    "Nucleus filter: keep the likeliest tokens whose probability adds up to top_p [R] (HF's rule)."
+    sorted_logits, order = logits.sort(dim=-1)                     # ascending, [R, V]
+    cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)             # [R, V]
     remove = cum <= (1 - top_p).unsqueeze(-1)
-    remove[:, -1] = False                                                          # the most likely token stays
+    remove[:, -1] = False                                          # the most likely token stays
     return logits.masked_fill(remove.scatter(-1, order, remove), -math.inf)
 
 # %% ../nbs/08_sampling.ipynb #ec3f4cfa
 def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     "Keep the tokens whose probability is at least min_p [R] times the row's top probability."
-    probs = logits.softmax(dim=-1)                                                 # [R, V]
-    return logits.masked_fill(probs < min_p.unsqueeze(-1) * probs.amax(dim=-1, keepdim=True), -math.inf)
+    probs = logits.softmax(dim=-1)                                      # [R, V]
+    threshold = min_p.unsqueeze(-1) * probs.amax(dim=-1, keepdim=True)  # [R, 1]
+    return logits.masked_fill(probs < threshold, -math.inf)
 
 # %% ../nbs/08_sampling.ipynb #0100aa9a
 _M64 = (1 << 64) - 1
 
 def seed_for(seed: int, position: int) -> int:
-    "A generator seed from (request seed, output position): splitmix64 of the pair, the same on every run and machine."
+    "A generator seed from (request seed, output position): splitmix64, the same on every machine."
     x = ((seed & _M64) ^ (((position + 1) * 0x9E3779B97F4A7C15) & _M64))
     x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _M64
     x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _M64
@@ -157,7 +180,7 @@ def exponential_noise(shape, generator: torch.Generator | None, device=None) -> 
     return torch.empty(shape, device=device).exponential_(generator=generator)
 
 def draw(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
-    "The exponential race: argmax(p / q) with q ~ Exp(1) picks token v with probability p_v. [R, V] -> [R]"
+    "Exponential race: argmax(p / q) with q ~ Exp(1) picks v with probability p_v. [R, V] -> [R]"
     return (probs / noise).argmax(dim=-1)
 
 # %% ../nbs/08_sampling.ipynb #7c627524
@@ -165,7 +188,8 @@ def draw(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
 class SamplerOutput:
     "What the sampler decided for each row: the token and, when asked, its logprobs."
     token_ids: list[int]                       # [R]
-    logprobs: list[dict[int, float] | None]    # per row: {token id: logprob} for the top-k and the sampled id, most likely first
+    # per row: {token id: logprob} for the top-k and the sampled id, most likely first
+    logprobs: list[dict[int, float] | None]
 
 def _rows(params, pred) -> list[int]:
     return [r for r, p in enumerate(params) if pred(p)]
@@ -181,27 +205,33 @@ class Sampler:
       logits      [R, V] tensor, any float dtype, any device: the next-token logits of R sequences
       params      list[SamplingParams], length R
       prompt_ids  list[list[int]], length R: each row's prompt (repetition_penalty reads it)
-      output_ids  list[list[int]], length R: each row's tokens generated so far; len() is the output position
-      stop_ids    list[set[int]] | None: token ids that end row r (eos unless ignore_eos, plus stop_token_ids,
-                  see `SamplingParams.stop_token_set`), masked while len(output_ids[r]) < min_tokens;
-                  None means each row's `params.stop_token_ids` only
+      output_ids  list[list[int]], length R: each row's tokens generated so far;
+                  len() is the output position
+      stop_ids    list[set[int]] | None: token ids that end row r (eos unless ignore_eos, plus
+                  stop_token_ids, see `SamplingParams.stop_token_set`), masked while
+                  len(output_ids[r]) < min_tokens; None means each row's `params.stop_token_ids`
     returns SamplerOutput(token_ids: list[int] [R], logprobs: list[dict[int, float] | None] [R])
-      logprobs[r] is None unless params[r].logprobs = k; then {token id: logprob of the raw (unprocessed)
-      distribution} for the k most likely ids plus the sampled id (k or k+1 entries), most likely first
+      logprobs[r] is None unless params[r].logprobs = k; then {token id: logprob of the raw
+      (unprocessed) distribution} for the k most likely ids plus the sampled id (k or k+1
+      entries), most likely first
     """
     def __init__(self, generator: torch.Generator | None = None):
-        self.generator = generator  # shared by unseeded rows; made lazily on the logits' device
+        # shared by unseeded rows; made lazily on the logits' device
+        self.generator = generator
 
     def probs(self, logits, params, prompt_ids, output_ids, stop_ids=None) -> torch.Tensor:
-        "The processed distribution [R, V] float32: mask, penalties, warpers, softmax; greedy rows are one-hot."
-        x, dev, V = logits.to(torch.float32, copy=True), logits.device, logits.shape[-1]  # never write into the caller's logits
-        if rows := [r for r, p in enumerate(params) if len(output_ids[r]) < p.min_tokens]:
-            for r in rows:
-                ids = stop_ids[r] if stop_ids is not None else params[r].stop_token_ids
-                if ids: x[r, list(ids)] = -math.inf
+        "The processed distribution [R, V] float32: masks, penalties, warpers; greedy rows one-hot."
+        dev, V = logits.device, logits.shape[-1]
+        # a float32 copy: never write into the caller's logits
+        x = logits.to(torch.float32, copy=True)
+        for r, p in enumerate(params):               # min_tokens: no stop token before that
+            ids = stop_ids[r] if stop_ids is not None else p.stop_token_ids
+            if len(output_ids[r]) < p.min_tokens and ids:
+                x[r, list(ids)] = -math.inf
         if rows := _rows(params, lambda p: p.repetition_penalty != 1.0):
             seen = token_counts([prompt_ids[r] + output_ids[r] for r in rows], V, dev) > 0
-            x[rows] = apply_repetition_penalty(x[rows], seen, _col(params, rows, 'repetition_penalty', dev))
+            penalty = _col(params, rows, 'repetition_penalty', dev)
+            x[rows] = apply_repetition_penalty(x[rows], seen, penalty)
         if rows := _rows(params, lambda p: p.presence_penalty != 0 or p.frequency_penalty != 0):
             counts = token_counts([output_ids[r] for r in rows], V, dev)
             x[rows] = apply_penalties(x[rows], counts, _col(params, rows, 'presence_penalty', dev),
@@ -214,15 +244,15 @@ class Sampler:
             x[rows] = apply_top_p(x[rows], _col(params, rows, 'top_p', dev))
         if rows := _rows(params, lambda p: not p.greedy and p.min_p > 0):
             x[rows] = apply_min_p(x[rows], _col(params, rows, 'min_p', dev))
-        probs = x.softmax(dim=-1)                                                   # [R, V]
+        probs = x.softmax(dim=-1)                                            # [R, V]
         if rows := _rows(params, lambda p: p.greedy):
             probs[rows] = torch.nn.functional.one_hot(x[rows].argmax(-1), V).float()
         return probs
 
     def sample(self, probs: torch.Tensor, params, output_ids) -> torch.Tensor:
-        "Draw one token per row of `probs` [R, V]: greedy rows argmax, seeded rows from their (seed, position) generator."
+        "One token per row of `probs` [R, V]: greedy rows argmax, seeded ones by (seed, position)."
         dev = probs.device
-        noise = torch.ones_like(probs)                                              # greedy rows: argmax(p / 1)
+        noise = torch.ones_like(probs)                                       # greedy: argmax(p / 1)
         if rows := _rows(params, lambda p: not p.greedy and p.seed is None):
             if self.generator is None or self.generator.device != dev:
                 self.generator = torch.Generator(dev).manual_seed(torch.randint(2**62, ()).item())
@@ -230,22 +260,24 @@ class Sampler:
         for r in _rows(params, lambda p: not p.greedy and p.seed is not None):
             g = torch.Generator(dev).manual_seed(seed_for(params[r].seed, len(output_ids[r])))
             noise[r] = exponential_noise(probs.shape[-1], g, dev)
-        return draw(probs, noise)                                                   # [R]
+        return draw(probs, noise)                                            # [R]
 
     def __call__(self, logits, params, prompt_ids, output_ids, stop_ids=None) -> SamplerOutput:
         "Sample one token per row; see the class docstring for the exact signature."
-        assert logits.dim() == 2 and logits.shape[0] == len(params) == len(prompt_ids) == len(output_ids), logits.shape
-        tokens = self.sample(self.probs(logits, params, prompt_ids, output_ids, stop_ids), params, output_ids)
+        assert logits.dim() == 2, logits.shape
+        assert logits.shape[0] == len(params) == len(prompt_ids) == len(output_ids), logits.shape
+        probs = self.probs(logits, params, prompt_ids, output_ids, stop_ids)
+        tokens = self.sample(probs, params, output_ids)                      # [R]
         token_ids = tokens.tolist()
         logprobs = [None] * len(params)
         if rows := _rows(params, lambda p: p.logprobs is not None):
-            raw = logits[rows].float().log_softmax(dim=-1)                          # [R', V], unprocessed
+            raw = logits[rows].float().log_softmax(dim=-1)                   # [R', V], unprocessed
             k = min(max(params[r].logprobs for r in rows), raw.shape[-1])
             top_lp, top_ids = raw.topk(k, dim=-1) if k else (raw[:, :0], raw[:, :0].long())
             chosen = raw.gather(-1, tokens[rows].unsqueeze(-1))[:, 0].tolist()
             for i, r in enumerate(rows):
-                n = params[r].logprobs
-                d = dict(zip(top_ids[i, :n].tolist(), top_lp[i, :n].tolist()))
-                d.setdefault(token_ids[r], chosen[i])
-                logprobs[r] = dict(sorted(d.items(), key=lambda kv: -kv[1]))
+                k_row = params[r].logprobs
+                row_logprobs = dict(zip(top_ids[i, :k_row].tolist(), top_lp[i, :k_row].tolist()))
+                row_logprobs.setdefault(token_ids[r], chosen[i])
+                logprobs[r] = dict(sorted(row_logprobs.items(), key=lambda kv: -kv[1]))
         return SamplerOutput(token_ids, logprobs)

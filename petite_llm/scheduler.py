@@ -13,7 +13,7 @@ from .paging import BlockManager, cdiv
 from .sampling import SamplingParams
 
 # %% auto #0
-__all__ = ['SequenceStatus', 'Sequence', 'SchedulerOutput', 'Scheduler']
+__all__ = ['SequenceStatus', 'Sequence', 'SchedulerOutput', 'Scheduler', 'FakeModel']
 
 # %% ../nbs/12_scheduler.ipynb #a0b38027
 class SequenceStatus(Enum):
@@ -23,12 +23,15 @@ class SequenceStatus(Enum):
     FINISHED = 'finished'
 
 class Sequence:
-    "One request: prompt + output token ids, how many of them are in the KV cache, its blocks, priority and status."
-    def __init__(self, seq_id: int, prompt_token_ids: list[int], sampling_params: SamplingParams | None = None,
-                 priority: int = 0, group_id: int | None = None):
-        if len(prompt_token_ids) == 0: raise ValueError(f"request {seq_id}: the prompt is empty; give it at least one token")
+    "One request: its token ids, how many are in the KV cache, its blocks, priority and status."
+    def __init__(self, seq_id: int, prompt_token_ids: list[int],
+                 sampling_params: SamplingParams | None = None, priority: int = 0,
+                 group_id: int | None = None):
+        if len(prompt_token_ids) == 0:
+            raise ValueError(f"request {seq_id}: the prompt is empty; give it at least one token")
         self.seq_id, self.priority = seq_id, priority
-        self.group_id = seq_id if group_id is None else group_id  # the n samples of one prompt share a group
+        # the n samples of one prompt share a group
+        self.group_id = seq_id if group_id is None else group_id
         self.sampling_params = sampling_params if sampling_params is not None else SamplingParams()
         self.prompt_token_ids = list(prompt_token_ids)
         self.token_ids = list(prompt_token_ids)
@@ -38,35 +41,44 @@ class Sequence:
         self.block_table: list[int] = []
         self.arrival = -1              # set by Scheduler.add: first come, first served
         self.status = SequenceStatus.WAITING
-        self.finish_reason: str | None = None   # 'stop' | 'length' | 'abort'
+        self.finish_reason: str | None = None       # 'stop' | 'length' | 'abort'
         self.stop_reason: int | str | None = None   # the stop token id or stop string that ended it
         self.num_preemptions = 0
 
     @property
-    def num_tokens(self) -> int: return len(self.token_ids)
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
     @property
-    def output_token_ids(self) -> list[int]: return self.token_ids[self.num_prompt_tokens:]
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
     @property
-    def num_output_tokens(self) -> int: return len(self.token_ids) - self.num_prompt_tokens
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
     @property
-    def is_finished(self) -> bool: return self.status is SequenceStatus.FINISHED
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
     @property
     def urgency(self) -> tuple[int, int]:
         "Sort key, smaller runs first: higher priority, then earlier arrival."
         return (-self.priority, self.arrival)
 
     def __repr__(self):
-        return (f"Sequence({self.seq_id}, {self.status.value}, tokens={self.num_prompt_tokens}+{self.num_output_tokens}, "
+        return (f"Sequence({self.seq_id}, {self.status.value}, "
+                f"tokens={self.num_prompt_tokens}+{self.num_output_tokens}, "
                 f"computed={self.num_computed_tokens}, blocks={self.block_table})")
 
 # %% ../nbs/12_scheduler.ipynb #e641fe44
 @dataclass
 class SchedulerOutput:
-    "One step's work: which sequences compute how many new tokens (decodes first), who samples, who was preempted. No tensors."
+    "One step's work: who computes how many tokens (decodes first), who samples, who was preempted."
     seqs: list[Sequence]
     num_new_tokens: list[int]
     num_computed_tokens: list[int]   # tokens already in the cache for each, before this step
-    do_sample: list[bool]            # the step reaches the sequence's last token: sample the next one
+    do_sample: list[bool]            # the step reaches the sequence's last token: sample the next
     num_decodes: int                 # the first num_decodes sequences compute exactly one token
     preempted_ids: list[int]
 
@@ -74,32 +86,42 @@ class SchedulerOutput:
     def num_batched_tokens(self) -> int:
         "Tokens in the flat batch (T)."
         return sum(self.num_new_tokens)
+
     @property
     def sampling_seqs(self) -> list[Sequence]:
         "The sequences that sample a token this step, in batch order (the order of logits_indices)."
-        return [s for s, d in zip(self.seqs, self.do_sample) if d]
+        return [seq for seq, samples in zip(self.seqs, self.do_sample) if samples]
+
     @property
     def input_ids(self) -> list[int]:
         "The flat batch: each sequence's new token ids, in order."
-        return [t for s, c, n in zip(self.seqs, self.num_computed_tokens, self.num_new_tokens) for t in s.token_ids[c:c + n]]
+        rows = zip(self.seqs, self.num_computed_tokens, self.num_new_tokens)
+        return [t for seq, done, new in rows for t in seq.token_ids[done:done + new]]
+
     @property
     def logits_indices(self) -> list[int]:
-        "Rows of the flat batch whose logits are needed: the last new token of each sequence that samples."
+        "Rows of the flat batch whose logits are needed: the last new token of each that samples."
         ends = itertools.accumulate(self.num_new_tokens)
-        return [e - 1 for e, d in zip(ends, self.do_sample) if d]
-    def __len__(self): return len(self.seqs)
+        return [end - 1 for end, samples in zip(ends, self.do_sample) if samples]
+
+    def __len__(self):
+        return len(self.seqs)
 
 # %% ../nbs/12_scheduler.ipynb #8ffc8dde
 class Scheduler:
-    "Continuous batching over a BlockManager: decodes and chunked prefills share steps; preemption by recompute; priorities."
-    def __init__(self, block_manager: BlockManager, max_num_batched_tokens: int = 2048, max_num_seqs: int = 256,
-                 max_model_len: int = 4096, eos_token_ids=()):
+    "Continuous batching over a BlockManager: chunked prefill, preemption by recompute, priorities."
+    def __init__(self, block_manager: BlockManager, max_num_batched_tokens: int = 2048,
+                 max_num_seqs: int = 256, max_model_len: int = 4096, eos_token_ids=()):
         if max_num_seqs < 1 or max_num_batched_tokens < max_num_seqs:
-            raise ValueError(f"need 1 <= max_num_seqs <= max_num_batched_tokens, got max_num_seqs={max_num_seqs}, "
-                             f"max_num_batched_tokens={max_num_batched_tokens}: raise max_num_batched_tokens")
-        self.block_manager, self.max_num_batched_tokens, self.max_num_seqs = block_manager, max_num_batched_tokens, max_num_seqs
+            raise ValueError(f"need 1 <= max_num_seqs <= max_num_batched_tokens, "
+                             f"got max_num_seqs={max_num_seqs}, "
+                             f"max_num_batched_tokens={max_num_batched_tokens}: "
+                             "raise max_num_batched_tokens")
+        self.block_manager = block_manager
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_seqs = max_num_seqs
         self.max_model_len, self.eos_token_ids = max_model_len, tuple(eos_token_ids)
-        self.waiting: list[Sequence] = []   # most urgent first
+        self.waiting: list[Sequence] = []     # most urgent first
         self.running: list[Sequence] = []
         self.seqs: dict[int, Sequence] = {}   # every unfinished sequence, by id
         self.num_preemptions = 0
@@ -107,15 +129,21 @@ class Scheduler:
 
     def add(self, seq: Sequence):
         "Queue a request; refuse one that could never fit max_model_len or the whole KV pool."
-        bm, P = self.block_manager, seq.num_tokens
-        if seq.seq_id in self.seqs: raise ValueError(f"a request with id {seq.seq_id} is already queued")
-        if P >= self.max_model_len:
-            raise ValueError(f"request {seq.seq_id}: the prompt has {P} tokens, leaving no room to generate within "
-                             f"max_model_len={self.max_model_len}; shorten the prompt or raise max_model_len")
-        total = min(P + seq.sampling_params.max_tokens, self.max_model_len)   # the last token sampled never needs KV
-        if (need := cdiv(total - 1, bm.block_size)) > bm.num_blocks:
-            raise ValueError(f"request {seq.seq_id}: prompt ({P} tokens) + max_tokens needs {need} KV blocks but the whole pool "
-                             f"has {bm.num_blocks}; lower max_tokens, shorten the prompt, or give the KV cache more memory")
+        bm, prompt_len = self.block_manager, seq.num_tokens
+        if seq.seq_id in self.seqs:
+            raise ValueError(f"a request with id {seq.seq_id} is already queued")
+        if prompt_len >= self.max_model_len:
+            raise ValueError(f"request {seq.seq_id}: the prompt has {prompt_len} tokens, leaving "
+                             f"no room to generate within max_model_len={self.max_model_len}; "
+                             "shorten the prompt or raise max_model_len")
+        # the last token sampled never needs KV
+        total = min(prompt_len + seq.sampling_params.max_tokens, self.max_model_len)
+        num_blocks_needed = cdiv(total - 1, bm.block_size)
+        if num_blocks_needed > bm.num_blocks:
+            raise ValueError(f"request {seq.seq_id}: prompt ({prompt_len} tokens) + max_tokens "
+                             f"needs {num_blocks_needed} KV blocks but the whole pool has "
+                             f"{bm.num_blocks}; lower max_tokens, shorten the prompt, "
+                             "or give the KV cache more memory")
         seq.arrival, seq.status = next(self._arrivals), SequenceStatus.WAITING
         bisect.insort(self.waiting, seq, key=lambda s: s.urgency)
         self.seqs[seq.seq_id] = seq
@@ -134,76 +162,108 @@ class Scheduler:
         bisect.insort(self.waiting, seq, key=lambda s: s.urgency)
 
     def _sibling_prefilling(self, seq: Sequence) -> bool:
-        "True while another sample of seq's prompt is still computing its shareable blocks (wait, then share them)."
+        "True while another sample of seq's prompt still computes the blocks it could share."
         bm = self.block_manager
-        shareable = (seq.num_prompt_tokens - 1) // bm.block_size * bm.block_size   # what a prefix hit can cover
-        return bm.enable_prefix_caching and any(s.group_id == seq.group_id and s.num_computed_tokens < shareable for s in self.running)
+        if not bm.enable_prefix_caching:
+            return False
+        # what a prefix hit can cover: the full blocks before the one holding the last prompt token
+        shareable = (seq.num_prompt_tokens - 1) // bm.block_size * bm.block_size
+        return any(s.group_id == seq.group_id and s.num_computed_tokens < shareable
+                   for s in self.running)
 
     def schedule(self) -> SchedulerOutput:
-        "Pick this step's work within the token budget and sequence cap: running decodes, running prefills, then admissions."
-        bm, budget, scheduled, preempted = self.block_manager, self.max_num_batched_tokens, {}, []
+        "Pick this step's work within the token budget and sequence cap: running, then admissions."
+        bm = self.block_manager
+        budget = self.max_num_batched_tokens
+        scheduled: dict[Sequence, int] = {}   # sequence -> new tokens it computes this step
+        preempted: list[int] = []
 
         def make_room(seq, fits) -> bool:
-            "Preempt the least urgent running sequences until fits(); False if seq itself must wait."
+            "Preempt the least urgent running sequences until fits(); False if seq must wait."
             nonlocal budget
             while not fits():
                 victim = max(self.running, key=lambda s: s.urgency, default=None)
-                if victim is None or victim.urgency < seq.urgency: return False   # only less urgent ones give way
+                if victim is None or victim.urgency < seq.urgency:
+                    return False                  # only less urgent ones give way
                 budget += scheduled.pop(victim, 0)
                 self._preempt(victim)
                 preempted.append(victim.seq_id)
-                if victim is seq: return False
+                if victim is seq:
+                    return False
             return True
 
-        # 1. running sequences: decodes (one token left to compute) first, then unfinished prefills; urgent first
-        for seq in sorted(self.running, key=lambda s: (s.num_tokens - s.num_computed_tokens > 1, s.urgency)):
-            if budget == 0: break
-            if seq.status is not SequenceStatus.RUNNING: continue   # preempted a moment ago
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            if make_room(seq, lambda: bm.can_append(seq, n)):
-                bm.append_slots(seq, n)
-                scheduled[seq] = n
-                budget -= n
-        # 2. admissions, most urgent first; the first that cannot be admitted stops the rest (no overtaking)
+        def decodes_first(seq):
+            return (seq.num_tokens - seq.num_computed_tokens > 1, seq.urgency)
+
+        # 1. running sequences: decodes (one token left to compute) first, then unfinished
+        #    prefills; urgent first
+        for seq in sorted(self.running, key=decodes_first):
+            if budget == 0:
+                break
+            if seq.status is not SequenceStatus.RUNNING:
+                continue                          # preempted a moment ago
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if make_room(seq, lambda: bm.can_append(seq, num_new)):
+                bm.append_slots(seq, num_new)
+                scheduled[seq] = num_new
+                budget -= num_new
+        # 2. admissions, most urgent first; the first that cannot be admitted stops the rest
+        #    (no overtaking)
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            if seq.seq_id in preempted or self._sibling_prefilling(seq): break   # no preempt-and-readmit in one step
-            if not make_room(seq, lambda: bm.can_allocate(seq)): break
+            if seq.seq_id in preempted or self._sibling_prefilling(seq):
+                break                             # no preempt-and-readmit in one step
+            if not make_room(seq, lambda: bm.can_allocate(seq)):
+                break
             self.waiting.pop(0)
-            seq.num_computed_tokens = seq.num_cached_tokens = bm.allocate(seq)
+            seq.num_cached_tokens = bm.allocate(seq)
+            seq.num_computed_tokens = seq.num_cached_tokens   # computing starts after the hits
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            scheduled[seq] = n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            budget -= n
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            scheduled[seq] = num_new
+            budget -= num_new
 
-        order = sorted(scheduled, key=lambda s: scheduled[s] != 1)   # stable: decodes first, then chunks
-        new = [scheduled[s] for s in order]
-        done = [s.num_computed_tokens for s in order]
-        return SchedulerOutput(order, new, done, [c + n == s.num_tokens for s, c, n in zip(order, done, new)],
-                               num_decodes=sum(n == 1 for n in new), preempted_ids=preempted)
+        order = sorted(scheduled, key=lambda s: scheduled[s] != 1)   # stable: decodes, then chunks
+        num_new_tokens = [scheduled[seq] for seq in order]
+        num_computed_tokens = [seq.num_computed_tokens for seq in order]
+        do_sample = [done + new == seq.num_tokens
+                     for seq, done, new in zip(order, num_computed_tokens, num_new_tokens)]
+        return SchedulerOutput(order, num_new_tokens, num_computed_tokens, do_sample,
+                               num_decodes=sum(new == 1 for new in num_new_tokens),
+                               preempted_ids=preempted)
 
     def _stop(self, seq: Sequence) -> str | None:
-        "Why seq must stop after its newest token, or None: a stop/eos token (past min_tokens), max_tokens, max_model_len."
-        sp, t = seq.sampling_params, seq.token_ids[-1]
-        if seq.num_output_tokens > sp.min_tokens and t in sp.stop_token_set(self.eos_token_ids):
-            seq.stop_reason = t
+        "Why seq stops after its newest token, or None: a stop token, max_tokens, max_model_len."
+        params, token = seq.sampling_params, seq.token_ids[-1]
+        past_min_tokens = seq.num_output_tokens > params.min_tokens
+        if past_min_tokens and token in params.stop_token_set(self.eos_token_ids):
+            seq.stop_reason = token
             return 'stop'
-        if seq.num_output_tokens >= sp.max_tokens or seq.num_tokens >= self.max_model_len: return 'length'
+        if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+            return 'length'
         return None
 
     def update(self, out: SchedulerOutput, sampled) -> list[Sequence]:
-        "Record a step: advance num_computed_tokens, append sampled tokens (dict seq_id -> token(s), or a list in sampling_seqs order), hash newly full blocks; return the sequences that finished."
-        if not isinstance(sampled, dict): sampled = dict(zip([s.seq_id for s in out.sampling_seqs], sampled))
+        "Record a step: advance, append sampled tokens, hash full blocks; return who finished."
+        # sampled: {seq_id: token or list of tokens}, or a list in the order of out.sampling_seqs
+        if not isinstance(sampled, dict):
+            sampled = dict(zip([seq.seq_id for seq in out.sampling_seqs], sampled))
         finished = []
-        for seq, n, c, samples in zip(out.seqs, out.num_new_tokens, out.num_computed_tokens, out.do_sample):
-            if seq.status is not SequenceStatus.RUNNING: continue   # aborted or finished since schedule()
-            seq.num_computed_tokens, reason = c + n, None
+        rows = zip(out.seqs, out.num_computed_tokens, out.num_new_tokens, out.do_sample)
+        for seq, done, new, samples in rows:
+            if seq.status is not SequenceStatus.RUNNING:
+                continue                          # aborted or finished since schedule()
+            seq.num_computed_tokens = done + new
+            reason = None
             if samples:
-                toks = sampled[seq.seq_id]
-                for t in (toks if isinstance(toks, (list, tuple)) else [toks]):
-                    seq.token_ids.append(int(t))
-                    if reason := self._stop(seq): break
-            self.block_manager.commit(seq)   # hash only now: these tokens are computed
+                tokens = sampled[seq.seq_id]
+                for token in (tokens if isinstance(tokens, (list, tuple)) else [tokens]):
+                    seq.token_ids.append(int(token))
+                    reason = self._stop(seq)
+                    if reason:
+                        break
+            self.block_manager.commit(seq)        # hash only now: these tokens are computed
             if reason:
                 self._finish(seq, reason)
                 finished.append(seq)
@@ -212,15 +272,19 @@ class Scheduler:
     def _finish(self, seq: Sequence, reason: str):
         "Mark seq finished, free its blocks, take it out of its queue."
         self.block_manager.free(seq)
-        (self.running if seq.status is SequenceStatus.RUNNING else self.waiting).remove(seq)
+        queue = self.running if seq.status is SequenceStatus.RUNNING else self.waiting
+        queue.remove(seq)
         seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason
         del self.seqs[seq.seq_id]
 
-    def finish(self, seq_id: int, reason: str = 'stop', stop_reason: int | str | None = None) -> Sequence | None:
-        "End a request now (a stop string the detokenizer found, or an abort); frees its blocks; None if it is not queued."
+    def finish(self, seq_id: int, reason: str = 'stop',
+               stop_reason: int | str | None = None) -> Sequence | None:
+        "End a request now (a stop string found, an abort), freeing its blocks; None if not queued."
         seq = self.seqs.get(seq_id)
-        if seq is None: return None
-        seq.stop_reason = stop_reason if stop_reason is not None else seq.stop_reason
+        if seq is None:
+            return None
+        if stop_reason is not None:
+            seq.stop_reason = stop_reason
         self._finish(seq, reason)
         return seq
 
@@ -230,7 +294,51 @@ class Scheduler:
 
     @property
     def stats(self) -> dict:
-        "Counters for logs and the engine: queue sizes, KV blocks in use, prefix-cache hit rate, preemptions."
+        "Counters for logs and the engine: queues, KV blocks in use, prefix hit rate, preemptions."
         bm = self.block_manager
-        return dict(num_waiting=len(self.waiting), num_running=len(self.running), kv_blocks_used=bm.num_used_blocks,
-                    kv_blocks_total=bm.num_blocks, prefix_hit_rate=bm.prefix_hit_rate, num_preemptions=self.num_preemptions)
+        return dict(num_waiting=len(self.waiting), num_running=len(self.running),
+                    kv_blocks_used=bm.num_used_blocks, kv_blocks_total=bm.num_blocks,
+                    prefix_hit_rate=bm.prefix_hit_rate, num_preemptions=self.num_preemptions)
+
+# %% ../nbs/12_scheduler.ipynb #34db459c
+class FakeModel:
+    "A test double for the model: stores (token, position) per slot, reads contexts back by block."
+    def __init__(self, block_size: int, vocab_size: int = 50):
+        self.slots: dict[int, tuple[int, int]] = {}   # slot -> (token id, position) written there
+        self.block_size, self.vocab_size = block_size, vocab_size
+
+    def next_token(self, token_ids) -> int:
+        "The token it 'samples': a deterministic function of the whole context."
+        return hash(tuple(token_ids)) % self.vocab_size
+
+    def slot(self, seq: Sequence, position: int) -> int:
+        "The cache slot of seq's token at `position`, through its block table."
+        block = seq.block_table[position // self.block_size]
+        return block * self.block_size + position % self.block_size
+
+    def step(self, out: SchedulerOutput) -> dict[int, int]:
+        "Run one step: store the new tokens, check what each sampling sequence reads, sample."
+        sampled = {}
+        rows = zip(out.seqs, out.num_computed_tokens, out.num_new_tokens, out.do_sample)
+        for seq, done, new, samples in rows:
+            assert len(seq.block_table) * self.block_size >= done + new, f"seq {seq.seq_id}"
+            for p in range(done, done + new):
+                self.slots[self.slot(seq, p)] = (seq.token_ids[p], p)
+            if samples:
+                context = [self.slots.get(self.slot(seq, p)) for p in range(done + new)]
+                expected = [(t, p) for p, t in enumerate(seq.token_ids)]
+                assert context == expected, f"seq {seq.seq_id} reads a corrupted context"
+                sampled[seq.seq_id] = self.next_token(seq.token_ids)
+        return sampled
+
+    def alone(self, seq: Sequence, max_model_len: int, eos_token_ids=()) -> tuple[list[int], str]:
+        "The output tokens and finish reason of `seq` run alone, under the scheduler's stop rules."
+        params, token_ids = seq.sampling_params, list(seq.prompt_token_ids)
+        stop_ids = params.stop_token_set(eos_token_ids)
+        while True:
+            token_ids.append(self.next_token(token_ids))
+            num_output = len(token_ids) - seq.num_prompt_tokens
+            if num_output > params.min_tokens and token_ids[-1] in stop_ids:
+                return token_ids[seq.num_prompt_tokens:], 'stop'
+            if num_output >= params.max_tokens or len(token_ids) >= max_model_len:
+                return token_ids[seq.num_prompt_tokens:], 'length'

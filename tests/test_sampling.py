@@ -1,14 +1,17 @@
-"""Sampling: parity of each logits processor with transformers, seeded determinism, greedy, distribution, validation."""
+"""Sampling: each logits processor against transformers', seeded determinism, greedy, distribution,
+validation."""
 import math
 from dataclasses import replace
 
 import pytest
 import torch
-from transformers.generation.logits_process import (MinPLogitsWarper, RepetitionPenaltyLogitsProcessor,
-                                                    TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
+from transformers.generation.logits_process import (
+    MinPLogitsWarper, RepetitionPenaltyLogitsProcessor, TemperatureLogitsWarper, TopKLogitsWarper,
+    TopPLogitsWarper)
 
-from petite_llm.sampling import (Sampler, SamplingParams, apply_min_p, apply_penalties, apply_repetition_penalty,
-                                 apply_temperature, apply_top_k, apply_top_p, seed_for, token_counts)
+from petite_llm.sampling import (Sampler, SamplingParams, apply_min_p, apply_penalties,
+                                 apply_repetition_penalty, apply_temperature, apply_top_k,
+                                 apply_top_p, seed_for, token_counts)
 
 
 def _logits(R=6, V=300, seed=0):
@@ -21,34 +24,42 @@ def _logits(R=6, V=300, seed=0):
 @pytest.mark.parametrize("k", [1, 2, 3, 17, 299, 300, 1000])
 def test_top_k_matches_transformers(k):
     x = _logits()
-    assert torch.equal(apply_top_k(x, torch.full((x.shape[0],), k)), TopKLogitsWarper(k)(None, x.clone()))
+    ours = apply_top_k(x, torch.full((x.shape[0],), k))
+    assert torch.equal(ours, TopKLogitsWarper(k)(None, x.clone()))
 
 
 @pytest.mark.parametrize("p", [1e-3, 0.1, 0.5, 0.9, 0.95, 0.999])
 def test_top_p_matches_transformers(p):
     x = _logits()
-    assert torch.equal(apply_top_p(x, torch.full((x.shape[0],), p)), TopPLogitsWarper(p)(None, x.clone()))
+    ours = apply_top_p(x, torch.full((x.shape[0],), p))
+    assert torch.equal(ours, TopPLogitsWarper(p)(None, x.clone()))
 
 
 @pytest.mark.parametrize("m", [0.0, 0.01, 0.1, 0.5, 1.0])
 def test_min_p_matches_transformers(m):
     x = _logits()
-    assert torch.equal(apply_min_p(x, torch.full((x.shape[0],), m)), MinPLogitsWarper(m)(None, x.clone()))
+    ours = apply_min_p(x, torch.full((x.shape[0],), m))
+    assert torch.equal(ours, MinPLogitsWarper(m)(None, x.clone()))
 
 
 @pytest.mark.parametrize("penalty", [0.5, 1.1, 2.0])
 def test_repetition_penalty_matches_transformers(penalty):
     x = _logits()
-    prev = torch.randint(0, x.shape[1], (x.shape[0], 30), generator=torch.Generator().manual_seed(1))
-    ours = apply_repetition_penalty(x, token_counts(prev.tolist(), x.shape[1]) > 0, torch.full((x.shape[0],), penalty))
+    g = torch.Generator().manual_seed(1)
+    prev = torch.randint(0, x.shape[1], (x.shape[0], 30), generator=g)
+    seen = token_counts(prev.tolist(), x.shape[1]) > 0
+    ours = apply_repetition_penalty(x, seen, torch.full((x.shape[0],), penalty))
     assert torch.equal(ours, RepetitionPenaltyLogitsProcessor(penalty)(prev, x.clone()))
 
 
 def test_per_row_params_match_row_by_row():
     x = _logits()
-    ks, ps, ms, ts = [1, 5, 50, 0, 3, 300], [0.3, 0.9, 1.0, 0.6, 0.99, 0.5], [0.0, 0.2, 0.05, 0.0, 0.5, 0.1], [0.5, 1, 2, 0.7, 1.3, 1]
-    both = apply_min_p(apply_top_p(apply_top_k(apply_temperature(x, torch.tensor(ts)), torch.tensor(ks)), torch.tensor(ps)),
-                       torch.tensor(ms))
+    ks = [1, 5, 50, 0, 3, 300]
+    ps = [0.3, 0.9, 1.0, 0.6, 0.99, 0.5]
+    ms = [0.0, 0.2, 0.05, 0.0, 0.5, 0.1]
+    ts = [0.5, 1, 2, 0.7, 1.3, 1]
+    both = apply_top_k(apply_temperature(x, torch.tensor(ts)), torch.tensor(ks))
+    both = apply_min_p(apply_top_p(both, torch.tensor(ps)), torch.tensor(ms))
     for r in range(x.shape[0]):
         row = TemperatureLogitsWarper(float(ts[r]))(None, x[r:r + 1].clone())
         if ks[r] > 0: row = TopKLogitsWarper(ks[r])(None, row)
@@ -64,8 +75,8 @@ def test_sampler_probs_match_transformers_chain():
     ours = Sampler().probs(x, [p], [prompt], [out])
     hf = x.clone()
     ids = torch.tensor([prompt + out])
-    for proc in [RepetitionPenaltyLogitsProcessor(1.2), TemperatureLogitsWarper(0.7), TopKLogitsWarper(40),
-                 TopPLogitsWarper(0.9), MinPLogitsWarper(0.05)]:
+    for proc in [RepetitionPenaltyLogitsProcessor(1.2), TemperatureLogitsWarper(0.7),
+                 TopKLogitsWarper(40), TopPLogitsWarper(0.9), MinPLogitsWarper(0.05)]:
         hf = proc(ids, hf)
     assert torch.equal(ours, hf.softmax(-1))
 
@@ -84,11 +95,12 @@ def test_presence_frequency_penalties():
 def test_greedy_is_argmax_and_does_not_touch_logits():
     x = _logits()
     before = x.clone()
-    out = Sampler()(x, [SamplingParams(temperature=0)] * x.shape[0], [[]] * x.shape[0], [[]] * x.shape[0])
+    R = x.shape[0]
+    out = Sampler()(x, [SamplingParams(temperature=0)] * R, [[]] * R, [[]] * R)
     assert out.token_ids == x.argmax(-1).tolist()
     assert torch.equal(x, before)
     # bf16 logits work too
-    out = Sampler()(x.bfloat16(), [SamplingParams(temperature=0)] * x.shape[0], [[]] * x.shape[0], [[]] * x.shape[0])
+    out = Sampler()(x.bfloat16(), [SamplingParams(temperature=0)] * R, [[]] * R, [[]] * R)
     assert out.token_ids == x.bfloat16().float().argmax(-1).tolist()
 
 
@@ -99,9 +111,10 @@ def test_greedy_rows_ignore_warpers():
     assert probs[0, x[0].argmax()] == 1 and probs.sum() == 1
 
 
-STRANGERS = [SamplingParams(temperature=0), SamplingParams(temperature=0.8, top_k=5), SamplingParams(seed=7),
-             SamplingParams(temperature=1.5, min_p=0.1), SamplingParams(top_p=0.5),
-             SamplingParams(repetition_penalty=1.3, seed=3), SamplingParams(presence_penalty=1.0, frequency_penalty=0.5)]
+STRANGERS = [SamplingParams(temperature=0), SamplingParams(temperature=0.8, top_k=5),
+             SamplingParams(seed=7), SamplingParams(temperature=1.5, min_p=0.1),
+             SamplingParams(top_p=0.5), SamplingParams(repetition_penalty=1.3, seed=3),
+             SamplingParams(presence_penalty=1.0, frequency_penalty=0.5)]
 
 
 @pytest.mark.parametrize("where", [0, 3, 7])
@@ -110,7 +123,8 @@ def test_seeded_tokens_do_not_depend_on_the_batch(where):
     seeded = SamplingParams(temperature=1.0, top_p=0.98, seed=2024, repetition_penalty=1.1)
     g = torch.Generator().manual_seed(5)
     alone_tokens, batch_tokens = [], []
-    shared = Sampler()   # one sampler across steps: the shared generator advances, the seeded row must not care
+    # one sampler across steps: the shared generator advances, the seeded row must not care
+    shared = Sampler()
     for pos in range(30):
         row = torch.randn(1, V, generator=g)
         others = torch.randn(7, V, generator=g)
@@ -127,7 +141,10 @@ def test_seeded_tokens_do_not_depend_on_the_batch(where):
 def test_seed_position_keying():
     V = 1000
     x = torch.zeros(1, V)   # uniform: the token is pure noise
-    tok = lambda seed, pos: Sampler()(x, [SamplingParams(seed=seed)], [[]], [[0] * pos]).token_ids[0]
+
+    def tok(seed, pos):
+        return Sampler()(x, [SamplingParams(seed=seed)], [[]], [[0] * pos]).token_ids[0]
+
     assert tok(1, 5) == tok(1, 5)
     assert len({tok(1, p) for p in range(20)}) > 15      # positions differ
     assert len({tok(s, 0) for s in range(20)}) > 15      # seeds differ
@@ -152,8 +169,9 @@ def _chi2(obs, probs):
 CHI2_001 = {1: 10.83, 2: 13.82, 3: 16.27, 4: 18.47, 5: 20.52, 6: 22.46, 7: 24.32}
 
 
-@pytest.mark.parametrize("params", [dict(temperature=1.0), dict(temperature=0.6), dict(temperature=1.7, top_k=5),
-                                    dict(top_p=0.8), dict(min_p=0.15)])
+@pytest.mark.parametrize("params", [dict(temperature=1.0), dict(temperature=0.6),
+                                    dict(temperature=1.7, top_k=5), dict(top_p=0.8),
+                                    dict(min_p=0.15)])
 def test_distribution_unseeded(params):
     toy = torch.tensor([[2.0, 1.6, 1.2, 0.8, 0.4, 0.0, -0.4, -0.8]])
     p = SamplingParams(**params)
@@ -204,10 +222,11 @@ def test_logprobs_are_raw_topk_plus_sampled():
 
 
 @pytest.mark.parametrize("field,value", [
-    ("temperature", -0.1), ("temperature", float("inf")), ("temperature", "hot"), ("top_p", 0.0), ("top_p", 1.01),
-    ("top_k", -2), ("top_k", 2.5), ("min_p", -0.1), ("min_p", 1.5), ("repetition_penalty", 0.0),
-    ("repetition_penalty", -1.0), ("presence_penalty", 2.5), ("frequency_penalty", -3.0), ("n", 0), ("max_tokens", 0),
-    ("logprobs", -1), ("seed", "abc"), ("seed", 1.0), ("stop_token_ids", [-1]), ("stop", [""]), ("n", True)])
+    ("temperature", -0.1), ("temperature", float("inf")), ("temperature", "hot"),
+    ("top_p", 0.0), ("top_p", 1.01), ("top_k", -2), ("top_k", 2.5), ("min_p", -0.1), ("min_p", 1.5),
+    ("repetition_penalty", 0.0), ("repetition_penalty", -1.0), ("presence_penalty", 2.5),
+    ("frequency_penalty", -3.0), ("n", 0), ("max_tokens", 0), ("logprobs", -1), ("seed", "abc"),
+    ("seed", 1.0), ("stop_token_ids", [-1]), ("stop", [""]), ("n", True)])
 def test_validation_names_the_field(field, value):
     with pytest.raises(ValueError, match=field):
         SamplingParams(**{field: value})
@@ -219,13 +238,13 @@ def test_min_tokens_above_max_tokens():
 
 
 def test_valid_edges_accepted():
-    SamplingParams(temperature=0, top_p=1.0, top_k=-1, min_p=1.0, presence_penalty=-2, frequency_penalty=2,
-                   min_tokens=5, max_tokens=5, logprobs=0, seed=-5)
+    SamplingParams(temperature=0, top_p=1.0, top_k=-1, min_p=1.0, presence_penalty=-2,
+                   frequency_penalty=2, min_tokens=5, max_tokens=5, logprobs=0, seed=-5)
 
 
 def test_from_generation_config():
-    gc = {"do_sample": True, "temperature": 0.6, "top_k": 20, "top_p": 0.95, "min_p": 0.0, "repetition_penalty": 1.05,
-          "eos_token_id": [1, 2]}
+    gc = {"do_sample": True, "temperature": 0.6, "top_k": 20, "top_p": 0.95, "min_p": 0.0,
+          "repetition_penalty": 1.05, "eos_token_id": [1, 2]}
     p = SamplingParams.from_generation_config(gc)
     assert (p.temperature, p.top_k, p.top_p, p.repetition_penalty) == (0.6, 20, 0.95, 1.05)
     p = SamplingParams.from_generation_config(gc, temperature=0.0, max_tokens=5, seed=None)

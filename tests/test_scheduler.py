@@ -1,8 +1,9 @@
-"""Scheduler and block manager under random request streams (hypothesis), plus the named corner cases.
+"""Scheduler and block manager under random request streams (hypothesis), plus the named corners.
 
-A fake model writes (token, position) into the slots the scheduler hands out and samples from the context it
-reads *back through the block table*, so a wrong prefix hit, an overwritten shared block or a block hashed before
-it was written shows up as a wrong token or a failed assertion.
+The scheduler's FakeModel writes (token, position) into the slots the scheduler hands out and
+samples from the context it reads *back through the block table*, so a wrong prefix hit, an
+overwritten shared block or a block hashed before it was written shows up as a wrong token or a
+failed assertion.
 """
 import random
 from collections import Counter
@@ -10,159 +11,161 @@ from collections import Counter
 import pytest
 from hypothesis import given, settings, strategies as st, HealthCheck
 
-from petite_llm.paging import BlockManager, cdiv
+from petite_llm.paging import BlockManager, cdiv, check_block_accounting
 from petite_llm.sampling import SamplingParams
-from petite_llm.scheduler import Scheduler, Sequence, SequenceStatus
+from petite_llm.scheduler import FakeModel, Scheduler, Sequence, SequenceStatus
 
 EOS = 0
 
 
-class FakeModel:
-    "Writes (token, position) into slots; samples hash(context read back through the block table) % vocab."
-    def __init__(self, bs, vocab):
-        self.slots, self.bs, self.vocab = {}, bs, vocab
-
-    def next_token(self, toks): return hash(tuple(toks)) % self.vocab
-
-    def slot(self, seq, p): return seq.block_table[p // self.bs] * self.bs + p % self.bs
-
-    def step(self, out):
-        sampled = {}
-        for seq, c, n, samples in zip(out.seqs, out.num_computed_tokens, out.num_new_tokens, out.do_sample):
-            assert len(seq.block_table) * self.bs >= c + n
-            for p in range(c, c + n): self.slots[self.slot(seq, p)] = (seq.token_ids[p], p)
-            if samples:
-                ctx = [self.slots.get(self.slot(seq, p)) for p in range(c + n)]
-                assert ctx == [(t, p) for p, t in enumerate(seq.token_ids)], f"seq {seq.seq_id} reads a corrupted context"
-                sampled[seq.seq_id] = self.next_token(seq.token_ids)
-        return sampled
-
-    def alone(self, seq, max_model_len, eos_ids=(EOS,)):
-        "The output a request gets when it runs alone, with the scheduler's stop rules."
-        sp, toks = seq.sampling_params, list(seq.prompt_token_ids)
-        while True:
-            toks.append(self.next_token(toks))
-            nout = len(toks) - len(seq.prompt_token_ids)
-            if nout > sp.min_tokens and toks[-1] in sp.stop_token_set(eos_ids): return toks[len(seq.prompt_token_ids):], 'stop'
-            if nout >= sp.max_tokens or len(toks) >= max_model_len: return toks[len(seq.prompt_token_ids):], 'length'
-
-
 def check_invariants(sched):
-    "free + used = total; refcount = block-table references; free blocks have refcount 0; cached map is consistent."
+    "The pool's books balance (chapter 11's check), and the queues agree with each status."
     bm = sched.block_manager
-    refs = Counter(b for s in sched.running for b in s.block_table)
+    check_block_accounting(bm, sched.running)
     assert all(not s.block_table and s.status is SequenceStatus.WAITING for s in sched.waiting)
     assert all(s.status is SequenceStatus.RUNNING for s in sched.running)
-    assert [b.ref_count for b in bm.blocks] == [refs[i] for i in range(bm.num_blocks)]
-    assert set(bm.free_ids) == {i for i in range(bm.num_blocks) if refs[i] == 0}
-    assert bm.num_free_blocks + bm.num_used_blocks == bm.num_blocks == bm.num_free_blocks + len(refs)
-    for h, bid in bm.cached.items(): assert bm.blocks[bid].hash == h and len(bm.blocks[bid].token_ids) == bm.block_size
     for s in sched.running:
-        assert len(s.block_table) >= cdiv(s.num_computed_tokens, bm.block_size) and s.num_computed_tokens <= s.num_tokens
-        for i in range(min(s.num_computed_tokens, s.num_tokens) // bm.block_size):   # hashed blocks hold what the seq holds
-            b = bm.blocks[s.block_table[i]]
-            assert b.hash is None or b.token_ids == tuple(s.token_ids[i * bm.block_size:(i + 1) * bm.block_size])
+        assert len(s.block_table) >= cdiv(s.num_computed_tokens, bm.block_size)
+        assert s.num_computed_tokens <= s.num_tokens
     assert len(sched.running) <= sched.max_num_seqs
     assert set(sched.seqs) == {s.seq_id for s in sched.running + sched.waiting}
 
 
-STEPS = Counter()
-
-
 def drive(sched, model, arrivals, aborts, check_order=True):
-    "Run until every request finished; check invariants and budgets every step. Returns finished seqs and steps after the last arrival."
+    """Run until every request finished, checking invariants and budgets every step.
+    Returns the finished sequences, the steps after the last arrival, and all steps."""
     finished, step, after = {}, 0, 0
     while step < len(arrivals) or sched.has_unfinished_requests():
-        for seq in (arrivals[step] if step < len(arrivals) else []): sched.add(seq)
+        for seq in (arrivals[step] if step < len(arrivals) else []):
+            sched.add(seq)
         if step in aborts and sched.seqs:
             victim = sorted(sched.seqs)[aborts[step] % len(sched.seqs)]
             finished[victim] = sched.abort(victim)
         waiting_before, had_work = set(map(id, sched.waiting)), sched.has_unfinished_requests()
         out = sched.schedule()
         check_invariants(sched)
-        assert out.num_batched_tokens <= sched.max_num_batched_tokens and all(n >= 1 for n in out.num_new_tokens)
-        assert len(out) > 0 or not had_work, "unfinished requests but nothing scheduled: the scheduler stalled"
-        assert len(out.input_ids) == out.num_batched_tokens and len(out.logits_indices) == len(out.sampling_seqs)
-        assert out.num_decodes == sum(n == 1 for n in out.num_new_tokens) and all(n == 1 for n in out.num_new_tokens[:out.num_decodes])
-        assert len({s.seq_id for s in out.seqs}) == len(out.seqs) and not set(out.preempted_ids) & {s.seq_id for s in out.seqs}
-        if check_order:   # admissions take the head of the queue: nobody admitted is less urgent than anyone left waiting
+        assert out.num_batched_tokens <= sched.max_num_batched_tokens
+        assert all(n >= 1 for n in out.num_new_tokens)
+        assert len(out) > 0 or not had_work, "unfinished requests but nothing scheduled: a stall"
+        assert len(out.input_ids) == out.num_batched_tokens
+        assert len(out.logits_indices) == len(out.sampling_seqs)
+        assert out.num_decodes == sum(n == 1 for n in out.num_new_tokens)
+        assert all(n == 1 for n in out.num_new_tokens[:out.num_decodes])
+        scheduled_ids = {s.seq_id for s in out.seqs}
+        assert len(scheduled_ids) == len(out.seqs) and not set(out.preempted_ids) & scheduled_ids
+        # admissions take the head of the queue: nobody admitted is less urgent than anyone left
+        if check_order:
             admitted = [s for s in out.seqs if id(s) in waiting_before]
-            if admitted and sched.waiting: assert max(s.urgency for s in admitted) < min(s.urgency for s in sched.waiting)
-        for seq in sched.update(out, model.step(out)): finished[seq.seq_id] = seq
+            if admitted and sched.waiting:
+                assert max(s.urgency for s in admitted) < min(s.urgency for s in sched.waiting)
+        for seq in sched.update(out, model.step(out)):
+            finished[seq.seq_id] = seq
         check_invariants(sched)
         step += 1
         after += step > len(arrivals)
-        STEPS['steps'] += 1
     assert sched.block_manager.num_used_blocks == 0 and not sched.running and not sched.waiting
-    return finished, after
+    return finished, after, step
 
 
 def make_stream(rng, n, vocab, prefixes, max_prompt, max_out, groups):
     reqs, i = [], 0
     while len(reqs) < n:
-        prompt = rng.choice(prefixes)[:rng.randint(0, max_prompt)] + [rng.randrange(1, vocab) for _ in range(rng.randint(1, max_prompt))]
+        prompt = rng.choice(prefixes)[:rng.randint(0, max_prompt)]
+        prompt += [rng.randrange(1, vocab) for _ in range(rng.randint(1, max_prompt))]
         prompt = prompt[:max_prompt] or [1]
         mt = rng.randint(1, max_out)
-        sp = SamplingParams(max_tokens=mt, min_tokens=min(mt, rng.choice([0, 0, 2])), ignore_eos=rng.random() < 0.2,
-                            stop_token_ids=rng.choice([[], [], [3]]))
+        sp = SamplingParams(max_tokens=mt, min_tokens=min(mt, rng.choice([0, 0, 2])),
+                            ignore_eos=rng.random() < 0.2, stop_token_ids=rng.choice([[], [], [3]]))
         prio = rng.choice([0, 0, 0, 1, 5])
         k = rng.choice([1, 1, 1, 3]) if groups else 1
         for _ in range(k):
-            reqs.append(Sequence(i, prompt, sp, priority=prio, group_id=1000 + len(reqs) if k > 1 else None)); i += 1
+            group_id = 1000 + len(reqs) if k > 1 else None
+            reqs.append(Sequence(i, prompt, sp, priority=prio, group_id=group_id))
+            i += 1
     return reqs
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
-@given(seed=st.integers(0, 2**32 - 1), block_size=st.sampled_from([1, 2, 4, 8]), extra_blocks=st.integers(0, 6),
-       budget=st.integers(4, 40), max_num_seqs=st.integers(1, 8), prefix_caching=st.booleans(), groups=st.booleans())
-def test_random_streams(seed, block_size, extra_blocks, budget, max_num_seqs, prefix_caching, groups):
+def run_stream(seed, block_size, extra_blocks, budget, max_num_seqs, prefix_caching, groups):
+    "One random request stream through a scheduler, checked every step; returns its counters."
     rng = random.Random(seed)
     vocab, max_prompt, max_out, max_model_len = 23, 30, 20, 40
     prefixes = [[rng.randrange(1, vocab) for _ in range(max_prompt)] for _ in range(3)]
     reqs = make_stream(rng, rng.randint(1, 14), vocab, prefixes, max_prompt, max_out, groups)
-    need = max(cdiv(min(r.num_tokens + r.sampling_params.max_tokens, max_model_len) - 1, block_size) for r in reqs)
+    need = max(cdiv(min(r.num_tokens + r.sampling_params.max_tokens, max_model_len) - 1, block_size)
+               for r in reqs)
     bm = BlockManager(need + extra_blocks, block_size, enable_prefix_caching=prefix_caching)
-    sched = Scheduler(bm, max_num_batched_tokens=max(budget, max_num_seqs), max_num_seqs=max_num_seqs,
-                      max_model_len=max_model_len, eos_token_ids=[EOS])
+    sched = Scheduler(bm, max_num_batched_tokens=max(budget, max_num_seqs),
+                      max_num_seqs=max_num_seqs, max_model_len=max_model_len, eos_token_ids=[EOS])
     model = FakeModel(block_size, vocab)
     arrivals = [[] for _ in range(rng.randint(1, 30))]
-    for r in reqs: arrivals[rng.randrange(len(arrivals))].append(r)
+    for r in reqs:
+        arrivals[rng.randrange(len(arrivals))].append(r)
     aborts = {rng.randrange(60): rng.randrange(100) for _ in range(rng.choice([0, 0, 2]))}
-    finished, after = drive(sched, model, arrivals, aborts, check_order=not groups)
+    finished, after, steps = drive(sched, model, arrivals, aborts, check_order=not groups)
     assert set(finished) == {r.seq_id for r in reqs}
     for r in reqs:
         assert r.status is SequenceStatus.FINISHED
-        if r.finish_reason == 'abort': continue
-        assert (r.output_token_ids, r.finish_reason) == model.alone(r, max_model_len)
-    # once arrivals stop, everything finishes within a bounded number of steps (work, recompute included)
+        if r.finish_reason == 'abort':
+            continue
+        assert (r.output_token_ids, r.finish_reason) == model.alone(r, max_model_len, [EOS])
+    # once arrivals stop, everything finishes within a bounded number of steps (recompute included)
     work = sum(r.num_prompt_tokens + r.sampling_params.max_tokens for r in reqs)
     assert after <= 2 * work + 10
-    STEPS['preemptions'] += sched.num_preemptions
-    STEPS['prefix_hits'] += bm.num_hit_tokens
-    STEPS['worst_ratio'] = max(STEPS['worst_ratio'], after / work)
+    return Counter(steps=steps, preemptions=sched.num_preemptions, prefix_hits=bm.num_hit_tokens)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
+@given(seed=st.integers(0, 2**32 - 1), block_size=st.sampled_from([1, 2, 4, 8]),
+       extra_blocks=st.integers(0, 6), budget=st.integers(4, 40), max_num_seqs=st.integers(1, 8),
+       prefix_caching=st.booleans(), groups=st.booleans())
+def test_random_streams(seed, block_size, extra_blocks, budget, max_num_seqs, prefix_caching,
+                        groups):
+    run_stream(seed, block_size, extra_blocks, budget, max_num_seqs, prefix_caching, groups)
+
+
+# test_many_steps_were_run draws this many streams as the property test does, and needs at least
+# the original bar: thousands of steps, dozens of preemptions, a hundred prefix-hit tokens
+STREAMS, MIN_STEPS, MIN_PREEMPTIONS, MIN_PREFIX_HITS = 60, 2000, 50, 100
 
 
 def test_many_steps_were_run():
-    "The property test above is only worth something if it ran thousands of scheduler steps."
-    if STEPS['steps']:
-        assert STEPS['steps'] > 2000 and STEPS['preemptions'] > 50 and STEPS['prefix_hits'] > 100, STEPS
-    print(f"property test: {dict(STEPS)}")
+    "The streams the property test draws from run many steps, preempt and hit the prefix cache."
+    rng = random.Random(0)
+    totals = Counter()
+    for _ in range(STREAMS):
+        totals += run_stream(seed=rng.randrange(2**32), block_size=rng.choice([1, 2, 4, 8]),
+                             extra_blocks=rng.randint(0, 6), budget=rng.randint(4, 40),
+                             max_num_seqs=rng.randint(1, 8), prefix_caching=rng.random() < 0.5,
+                             groups=rng.random() < 0.5)
+    print(f"{STREAMS} streams: {dict(totals)}")
+    assert totals['steps'] > MIN_STEPS and totals['preemptions'] > MIN_PREEMPTIONS, totals
+    assert totals['prefix_hits'] > MIN_PREFIX_HITS, totals
 
 
 def _sched(num_blocks=16, bs=4, budget=32, seqs=8, max_model_len=64, **kw):
     bm = BlockManager(num_blocks, bs, **kw)
-    return Scheduler(bm, max_num_batched_tokens=budget, max_num_seqs=seqs, max_model_len=max_model_len, eos_token_ids=[EOS]), FakeModel(bs, 50)
+    sched = Scheduler(bm, max_num_batched_tokens=budget, max_num_seqs=seqs,
+                      max_model_len=max_model_len, eos_token_ids=[EOS])
+    return sched, FakeModel(bs, 50)
+
+
+def _step(sched, model):
+    "One scheduled step through the fake model; returns the sequences that finished."
+    out = sched.schedule()
+    return sched.update(out, model.step(out))
 
 
 def test_chunked_prefill_never_stalls_decodes():
     sched, model = _sched(num_blocks=64, budget=8)
     sched.add(Sequence(0, [5] * 3, SamplingParams(max_tokens=30, ignore_eos=True)))
-    out = sched.schedule(); sched.update(out, model.step(out))
-    sched.add(Sequence(1, list(range(1, 41)), SamplingParams(max_tokens=2, ignore_eos=True)))   # 40 tokens, budget 8
+    _step(sched, model)
+    # 40 tokens, budget 8
+    sched.add(Sequence(1, list(range(1, 41)), SamplingParams(max_tokens=2, ignore_eos=True)))
     chunks = []
     for _ in range(6):
         out = sched.schedule()
-        assert out.seqs[0].seq_id == 0 and out.num_new_tokens[0] == 1 and out.num_decodes >= 1   # the decode runs every step
+        # the decode runs every step
+        assert out.seqs[0].seq_id == 0 and out.num_new_tokens[0] == 1 and out.num_decodes >= 1
         chunks += [n for s, n in zip(out.seqs, out.num_new_tokens) if s.seq_id == 1]
         sched.update(out, model.step(out))
     assert chunks == [7, 7, 7, 7, 7, 5] and sched.seqs[1].num_output_tokens == 1
@@ -172,21 +175,24 @@ def test_full_prefix_hit_still_computes_the_last_token():
     sched, model = _sched()
     prompt = list(range(1, 17))                       # 4 full blocks
     sched.add(Sequence(0, prompt, SamplingParams(max_tokens=1)))
-    out = sched.schedule(); sched.update(out, model.step(out))
+    _step(sched, model)
     assert not sched.has_unfinished_requests()
     sched.add(Sequence(1, prompt, SamplingParams(max_tokens=2)))
     out = sched.schedule()
     assert out.num_computed_tokens == [12] and out.num_new_tokens == [4] and out.do_sample == [True]
     finished = sched.update(out, model.step(out))
     assert sched.block_manager.num_hit_tokens == 12 and not finished
-    out = sched.schedule(); [s] = sched.update(out, model.step(out))
-    assert (s.output_token_ids, s.finish_reason) == model.alone(s, 64)
+    [s] = _step(sched, model)
+    assert (s.output_token_ids, s.finish_reason) == model.alone(s, 64, [EOS])
 
 
 def test_n_samples_share_prompt_blocks():
     sched, model = _sched(num_blocks=32)
-    for i in range(4): sched.add(Sequence(i, list(range(1, 14)), SamplingParams(max_tokens=3, ignore_eos=True), group_id=7))
-    out = sched.schedule(); assert [s.seq_id for s in out.seqs] == [0]
+    for i in range(4):
+        sched.add(Sequence(i, list(range(1, 14)), SamplingParams(max_tokens=3, ignore_eos=True),
+                           group_id=7))
+    out = sched.schedule()
+    assert [s.seq_id for s in out.seqs] == [0]
     sched.update(out, model.step(out))
     out = sched.schedule()
     tables = [sched.seqs[i].block_table for i in range(4)]
@@ -197,135 +203,174 @@ def test_n_samples_share_prompt_blocks():
 
 def test_refusals():
     sched, _ = _sched(num_blocks=4, max_model_len=20)
-    with pytest.raises(ValueError, match="max_model_len"): sched.add(Sequence(0, [1] * 20))
-    with pytest.raises(ValueError, match="KV blocks"): sched.add(Sequence(1, [1] * 10, SamplingParams(max_tokens=9)))
+    with pytest.raises(ValueError, match="max_model_len"):
+        sched.add(Sequence(0, [1] * 20))
+    with pytest.raises(ValueError, match="KV blocks"):
+        sched.add(Sequence(1, [1] * 10, SamplingParams(max_tokens=9)))
     sched.add(Sequence(2, [1] * 10, SamplingParams(max_tokens=7)))
-    with pytest.raises(ValueError, match="already queued"): sched.add(Sequence(2, [1]))
-    with pytest.raises(ValueError, match="empty"): Sequence(3, [])
-    with pytest.raises(ValueError, match="max_num_batched_tokens"): Scheduler(BlockManager(4, 4), max_num_batched_tokens=4, max_num_seqs=8)
+    with pytest.raises(ValueError, match="already queued"):
+        sched.add(Sequence(2, [1]))
+    with pytest.raises(ValueError, match="empty"):
+        Sequence(3, [])
+    with pytest.raises(ValueError, match="max_num_batched_tokens"):
+        Scheduler(BlockManager(4, 4), max_num_batched_tokens=4, max_num_seqs=8)
 
 
 def test_stop_rules():
     sched, _ = _sched()
+
     def go(sp, tokens, max_model_len=64):
         sched.max_model_len = max_model_len
         sched.add(Sequence(99, [1, 2, 3], sp))
         for t in tokens:
             out = sched.schedule()
-            if fin := sched.update(out, [t]): return fin[0]
-    s = go(SamplingParams(max_tokens=10), [4, EOS]); assert (s.output_token_ids, s.finish_reason, s.stop_reason) == ([4, EOS], 'stop', EOS)
-    s = go(SamplingParams(max_tokens=10, min_tokens=2), [EOS, EOS, 5, EOS]); assert s.output_token_ids == [EOS, EOS, 5, EOS]
-    s = go(SamplingParams(max_tokens=3, ignore_eos=True), [EOS, EOS, EOS]); assert s.finish_reason == 'length'
-    s = go(SamplingParams(max_tokens=10, ignore_eos=True, stop_token_ids=[7]), [EOS, 7]); assert (s.finish_reason, s.stop_reason) == ('stop', 7)
-    s = go(SamplingParams(max_tokens=10), [4, 4, 4], max_model_len=5); assert (s.output_token_ids, s.finish_reason) == ([4, 4], 'length')
+            if fin := sched.update(out, [t]):
+                return fin[0]
+
+    s = go(SamplingParams(max_tokens=10), [4, EOS])
+    assert (s.output_token_ids, s.finish_reason, s.stop_reason) == ([4, EOS], 'stop', EOS)
+    s = go(SamplingParams(max_tokens=10, min_tokens=2), [EOS, EOS, 5, EOS])
+    assert s.output_token_ids == [EOS, EOS, 5, EOS]
+    s = go(SamplingParams(max_tokens=3, ignore_eos=True), [EOS, EOS, EOS])
+    assert s.finish_reason == 'length'
+    s = go(SamplingParams(max_tokens=10, ignore_eos=True, stop_token_ids=[7]), [EOS, 7])
+    assert (s.finish_reason, s.stop_reason) == ('stop', 7)
+    s = go(SamplingParams(max_tokens=10), [4, 4, 4], max_model_len=5)
+    assert (s.output_token_ids, s.finish_reason) == ([4, 4], 'length')
 
 
 def test_update_accepts_several_tokens_and_stops_midway():
     sched, _ = _sched()
     sched.add(Sequence(0, [1, 2], SamplingParams(max_tokens=10)))
     out = sched.schedule()
-    [s] = sched.update(out, {0: [5, 6, EOS, 8]})   # e.g. accepted drafts: tokens after a stop are dropped
+    # e.g. accepted drafts: the tokens after a stop are dropped
+    [s] = sched.update(out, {0: [5, 6, EOS, 8]})
     assert s.output_token_ids == [5, 6, EOS] and s.finish_reason == 'stop'
 
 
 def test_abort_and_finish_free_everything():
     sched, model = _sched(num_blocks=8, budget=8, seqs=2)
-    for i in range(3): sched.add(Sequence(i, list(range(1, 12)), SamplingParams(max_tokens=5, ignore_eos=True)))
+    for i in range(3):
+        sched.add(Sequence(i, list(range(1, 12)), SamplingParams(max_tokens=5, ignore_eos=True)))
     out = sched.schedule()
-    sampled = model.step(out)                                            # the forward ran; then, before update():
-    assert sched.abort(2).finish_reason == 'abort'                       # a waiting request is aborted
-    assert sched.finish(0, 'stop', stop_reason='</s>').stop_reason == '</s>'   # a running one hit a stop string
+    sampled = model.step(out)                         # the forward ran; then, before update():
+    assert sched.abort(2).finish_reason == 'abort'    # a waiting request is aborted
+    # a running one hit a stop string
+    assert sched.finish(0, 'stop', stop_reason='</s>').stop_reason == '</s>'
     assert sched.update(out, sampled) == [] and sched.abort(0) is None
     check_invariants(sched)
     assert list(sched.seqs) == [1]
-    sched.abort(1); assert sched.block_manager.num_used_blocks == 0 and not sched.has_unfinished_requests()
+    sched.abort(1)
+    assert sched.block_manager.num_used_blocks == 0 and not sched.has_unfinished_requests()
 
 
 def test_priority_preempts_less_urgent():
     sched, model = _sched(num_blocks=6, budget=8, seqs=4)
     low = Sequence(0, list(range(1, 15)), SamplingParams(max_tokens=8, ignore_eos=True))
-    high = Sequence(1, list(range(20, 34)), SamplingParams(max_tokens=8, ignore_eos=True), priority=5)
+    high = Sequence(1, list(range(20, 34)), SamplingParams(max_tokens=8, ignore_eos=True),
+                    priority=5)
     sched.add(low)
-    for _ in range(3): out = sched.schedule(); sched.update(out, model.step(out))
+    for _ in range(3):
+        _step(sched, model)
     sched.add(high)
     out = sched.schedule()
-    assert out.preempted_ids == [0] and [s.seq_id for s in out.seqs] == [1] and low.num_computed_tokens == 0
+    assert out.preempted_ids == [0] and [s.seq_id for s in out.seqs] == [1]
+    assert low.num_computed_tokens == 0
     order = []
     while sched.has_unfinished_requests():
-        out = sched.schedule()
-        order += [s.seq_id for s in sched.update(out, model.step(out))]
+        order += [s.seq_id for s in _step(sched, model)]
     assert order == [1, 0] and sched.num_preemptions == 1
-    assert low.output_token_ids == model.alone(low, 64)[0]
+    assert low.output_token_ids == model.alone(low, 64, [EOS])[0]
 
 
 def test_lru_revives_freed_prefix_after_preemption():
-    "A preempted sequence's committed blocks survive in the free list and come back as prefix hits on re-admission."
+    "A preempted sequence's committed blocks survive in the free list and come back as prefix hits."
     sched, model = _sched(num_blocks=8, budget=8, seqs=4)
     a = Sequence(0, list(range(1, 13)), SamplingParams(max_tokens=4, ignore_eos=True))
     sched.add(a)
-    for _ in range(2): out = sched.schedule(); sched.update(out, model.step(out))
-    b = Sequence(1, list(range(30, 50)), SamplingParams(max_tokens=1, ignore_eos=True), priority=1)   # 5 blocks, no decode
+    for _ in range(2):
+        _step(sched, model)
+    # 5 blocks, no decode
+    b = Sequence(1, list(range(30, 50)), SamplingParams(max_tokens=1, ignore_eos=True), priority=1)
     sched.add(b)
-    out = sched.schedule(); assert out.preempted_ids == [0]
-    while sched.has_unfinished_requests(): out = sched.schedule(); sched.update(out, model.step(out))
-    assert a.num_cached_tokens == 12 and a.output_token_ids == model.alone(a, 64)[0]
+    out = sched.schedule()
+    assert out.preempted_ids == [0]
+    while sched.has_unfinished_requests():
+        _step(sched, model)
+    assert a.num_cached_tokens == 12 and a.output_token_ids == model.alone(a, 64, [EOS])[0]
 
 
 def test_scheduler_drives_the_real_model():
-    "Scheduler + BlockManager + paged attention + the model, greedy in float64: the tokens of a no-cache loop, for each prompt alone."
+    "Scheduler, block manager, paged attention and the model, greedy in float64 = a no-cache loop."
     import torch
     from petite_llm.config import ModelConfig
     from petite_llm.model import Qwen3ForCausalLM
-    from petite_llm.paging import AttentionMetadata, allocate_kv_cache
+    from petite_llm.paging import AttentionMetadata, TorchAttentionBackend, allocate_kv_cache
     torch.manual_seed(0)
-    cfg = ModelConfig(model_type='qwen3', vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, rope_theta=1e6)
+    cfg = ModelConfig(model_type='qwen3', vocab_size=97, hidden_size=64, intermediate_size=96,
+                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                      head_dim=16, rope_theta=1e6)
     model = Qwen3ForCausalLM(cfg).to(torch.float64).eval()
     rng = random.Random(0)
     shared = [rng.randrange(97) for _ in range(13)]
-    prompts = [shared[:rng.randint(0, 13)] + [rng.randrange(97) for _ in range(rng.randint(1, 12))] for _ in range(8)]
-    prompts += [prompts[0], prompts[0][:8]]                                # a repeat (full prefix hit when 8 | len) and a prefix
+    prompts = [shared[:rng.randint(0, 13)] + [rng.randrange(97) for _ in range(rng.randint(1, 12))]
+               for _ in range(8)]
+    # a repeat (a full prefix hit when 8 divides its length) and a prefix
+    prompts += [prompts[0], prompts[0][:8]]
     max_tokens = 6
 
     @torch.no_grad()
     def reference(p):
         ids = list(p)
-        for _ in range(max_tokens): ids.append(int(model(torch.tensor(ids), torch.arange(len(ids)))[-1].argmax()))
+        for _ in range(max_tokens):
+            ids.append(int(model(torch.tensor(ids), torch.arange(len(ids)))[-1].argmax()))
         return ids[len(p):]
 
     want = [reference(p) for p in prompts]
     for bs, num_blocks, budget in ((1, 40, 8), (4, 10, 8), (16, 4, 16)):
         bm = BlockManager(num_blocks, bs)
         allocate_kv_cache(model, num_blocks, bs)
+        backend = TorchAttentionBackend()
         sched = Scheduler(bm, max_num_batched_tokens=budget, max_num_seqs=4, max_model_len=64)
         for i, p in enumerate(prompts):
-            sched.add(Sequence(i, p, SamplingParams(max_tokens=max_tokens, ignore_eos=True), priority=i % 3))
+            sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+            sched.add(Sequence(i, p, sp, priority=i % 3))
         got = {}
         with torch.no_grad():
             while sched.has_unfinished_requests():
                 out = sched.schedule()
-                md = AttentionMetadata.build([s.block_table for s in out.seqs], out.num_computed_tokens, out.num_new_tokens, bs)
+                md = AttentionMetadata.build([s.block_table for s in out.seqs],
+                                             out.num_computed_tokens, out.num_new_tokens, bs,
+                                             'cpu', backend)
                 hidden = model(torch.tensor(out.input_ids), md.positions, md)
                 logits = model.compute_logits(hidden[out.logits_indices])
-                for s in sched.update(out, logits.argmax(-1).tolist()): got[s.seq_id] = s.output_token_ids
+                for s in sched.update(out, logits.argmax(-1).tolist()):
+                    got[s.seq_id] = s.output_token_ids
         assert [got[i] for i in range(len(prompts))] == want, f"block_size={bs}"
-        assert sched.num_preemptions > 0 and (bm.num_hit_tokens > 0 or bs == 16), (bs, sched.stats)   # prompts < 2 blocks of 16
+        # prompts are shorter than 2 blocks of 16: no hits there
+        assert sched.num_preemptions > 0 and (bm.num_hit_tokens > 0 or bs == 16), (bs, sched.stats)
 
 
 @settings(max_examples=40, deadline=None)
-@given(prios=st.lists(st.integers(0, 3), min_size=2, max_size=10), prompt_len=st.integers(1, 20), max_tokens=st.integers(1, 10),
-       bs=st.sampled_from([1, 4]), budget=st.integers(4, 24), max_num_seqs=st.integers(1, 4), extra=st.integers(0, 6))
-def test_identical_requests_finish_in_urgency_order(prios, prompt_len, max_tokens, bs, budget, max_num_seqs, extra):
-    "Same work, all arriving at once: no request finishes after a less urgent one (higher priority, then earlier arrival)."
+@given(prios=st.lists(st.integers(0, 3), min_size=2, max_size=10), prompt_len=st.integers(1, 20),
+       max_tokens=st.integers(1, 10), bs=st.sampled_from([1, 4]), budget=st.integers(4, 24),
+       max_num_seqs=st.integers(1, 4), extra=st.integers(0, 6))
+def test_identical_requests_finish_in_urgency_order(prios, prompt_len, max_tokens, bs, budget,
+                                                    max_num_seqs, extra):
+    "Same work, all arriving at once: no request finishes after a less urgent one."
     need = cdiv(prompt_len + max_tokens - 1, bs)
-    sched = Scheduler(BlockManager(need + extra, bs), max(budget, max_num_seqs), max_num_seqs, max_model_len=64)
+    sched = Scheduler(BlockManager(need + extra, bs), max(budget, max_num_seqs), max_num_seqs,
+                      max_model_len=64)
     model = FakeModel(bs, 50)
-    seqs = [Sequence(i, [i + 1] * prompt_len, SamplingParams(max_tokens=max_tokens, ignore_eos=True), priority=p) for i, p in enumerate(prios)]
-    for s in seqs: sched.add(s)
+    sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    seqs = [Sequence(i, [i + 1] * prompt_len, sp, priority=p) for i, p in enumerate(prios)]
+    for s in seqs:
+        sched.add(s)
     finished_at, step = {}, 0
     while sched.has_unfinished_requests():
-        out = sched.schedule()
-        for s in sched.update(out, model.step(out)): finished_at[s.seq_id] = step
+        for s in _step(sched, model):
+            finished_at[s.seq_id] = step
         step += 1
+    # urgency: higher priority, then earlier arrival
     order = sorted(seqs, key=lambda s: s.urgency)
     assert [finished_at[s.seq_id] for s in order] == sorted(finished_at[s.seq_id] for s in order)
