@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from .config import DTYPES, parse_dtype
 from .engine import PackedLinear, packed_linear_available
 
 # %% auto #0
@@ -21,27 +22,26 @@ __all__ = ['SHAPES', 'FULL', 'QUICK', 'as_dtype', 'dtype_name', 'shape_config', 
 # %% ../nbs/17_benchmarks.ipynb #57b5590e
 SHAPES = {
     # Qwen/Qwen3-0.6B's config.json: every field that changes a tensor shape or the arithmetic
-    'qwen3-0.6b': dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
-                       num_attention_heads=16, num_key_value_heads=8, head_dim=128, rope_theta=1_000_000.0,
-                       max_position_embeddings=40960, rms_norm_eps=1e-6, tie_word_embeddings=True,
+    'qwen3-0.6b': dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072,
+                       num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
+                       head_dim=128, rope_theta=1_000_000.0, max_position_embeddings=40960,
+                       rms_norm_eps=1e-6, tie_word_embeddings=True,
                        bos_token_id=151643, eos_token_id=151645),
     # the same family at toy size: smoke tests and this chapter's unflagged cells run it in seconds
-    'tiny': dict(vocab_size=4096, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
-                 num_attention_heads=4, num_key_value_heads=2, head_dim=64, rope_theta=1_000_000.0,
-                 max_position_embeddings=4096, rms_norm_eps=1e-6, tie_word_embeddings=True,
+    'tiny': dict(vocab_size=4096, hidden_size=256, intermediate_size=768,
+                 num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                 head_dim=64, rope_theta=1_000_000.0, max_position_embeddings=4096,
+                 rms_norm_eps=1e-6, tie_word_embeddings=True,
                  bos_token_id=0, eos_token_id=1),
 }
 
-_DTYPES = {'bfloat16': torch.bfloat16, 'bf16': torch.bfloat16, 'float16': torch.float16, 'fp16': torch.float16,
-           'half': torch.float16, 'float32': torch.float32, 'fp32': torch.float32, 'float': torch.float32,
-           'float64': torch.float64, 'fp64': torch.float64}
-
 def as_dtype(dtype) -> torch.dtype:
-    "A torch dtype from a dtype or its name ('bfloat16', 'bf16', 'float32', ...)."
-    if isinstance(dtype, torch.dtype): return dtype
-    key = str(dtype).removeprefix('torch.').lower()
-    if key not in _DTYPES: raise ValueError(f"unknown dtype {dtype!r}: use one of {sorted(set(_DTYPES))}")
-    return _DTYPES[key]
+    "`parse_dtype` for the benchmark, which needs a real dtype: None and 'auto' are refused."
+    parsed = parse_dtype(dtype)
+    if parsed is None:
+        raise ValueError(f"the benchmark needs an explicit dtype, got {dtype!r}: "
+                         f"use one of {sorted(DTYPES)}")
+    return parsed
 
 def dtype_name(dtype) -> str:
     "'bfloat16' for torch.bfloat16 (the name JSON and folder names use)."
@@ -49,34 +49,45 @@ def dtype_name(dtype) -> str:
 
 def shape_config(shape: str = 'qwen3-0.6b', num_layers: int | None = None) -> dict:
     "The config fields of a named benchmark shape, with an optional layer-count override."
-    if shape not in SHAPES: raise ValueError(f"unknown shape {shape!r}: choose one of {sorted(SHAPES)}")
+    if shape not in SHAPES:
+        raise ValueError(f"unknown shape {shape!r}: choose one of {sorted(SHAPES)}")
     cfg = dict(SHAPES[shape])
     if num_layers is not None:
-        if num_layers < 1: raise ValueError(f"num_layers must be at least 1, got {num_layers}")
+        if num_layers < 1:
+            raise ValueError(f"num_layers must be at least 1, got {num_layers}")
         cfg['num_hidden_layers'] = num_layers
     return cfg
 
 # %% ../nbs/17_benchmarks.ipynb #f142dc12
 def default_cache_dir() -> Path:
-    "Where benchmark checkpoints are cached: $PETITE_LLM_CACHE/bench, else ~/.cache/petite_llm/bench."
-    root = os.environ.get('PETITE_LLM_CACHE') or Path(os.environ.get('XDG_CACHE_HOME') or Path.home()/'.cache')/'petite_llm'
+    "Where benchmark checkpoints live: $PETITE_LLM_CACHE/bench, else ~/.cache/petite_llm/bench."
+    root = os.environ.get('PETITE_LLM_CACHE')
+    if not root:
+        cache_home = os.environ.get('XDG_CACHE_HOME') or Path.home()/'.cache'
+        root = Path(cache_home)/'petite_llm'
     return Path(root)/'bench'
 
-def _is_checkpoint(path: Path) -> bool: return (path/'config.json').exists() and any(path.glob('*.safetensors'))
+def _is_checkpoint(path: Path) -> bool:
+    return (path/'config.json').exists() and any(path.glob('*.safetensors'))
 
-def make_random_checkpoint(path=None, shape: str = 'qwen3-0.6b', dtype=torch.bfloat16, num_layers: int | None = None,
-                           seed: int = 0) -> Path:
+def make_random_checkpoint(path=None, shape: str = 'qwen3-0.6b', dtype=torch.bfloat16,
+                           num_layers: int | None = None, seed: int = 0) -> Path:
     "Write (once) a random-weight transformers checkpoint of a named shape and return its folder."
     dtype, cfg = as_dtype(dtype), shape_config(shape, num_layers)
     name = f"{shape}-{cfg['num_hidden_layers']}L-{dtype_name(dtype)}-seed{seed}"
     path = Path(path) if path is not None else default_cache_dir()/name
-    if _is_checkpoint(path): return path
+    if _is_checkpoint(path):
+        return path
     if path.exists() and any(path.iterdir()):
-        raise ValueError(f"{path} exists but holds no checkpoint (config.json + *.safetensors): delete it or pass another path")
-    try: from transformers import Qwen3Config, Qwen3ForCausalLM
-    except ImportError as e: raise ImportError("the benchmark needs transformers: pip install transformers") from e
+        raise ValueError(f"{path} exists but holds no checkpoint (config.json + *.safetensors): "
+                         "delete it or pass another path")
+    try:
+        from transformers import Qwen3Config, Qwen3ForCausalLM
+    except ImportError as e:
+        raise ImportError("the benchmark needs transformers: pip install transformers") from e
     torch.manual_seed(seed)
-    model = Qwen3ForCausalLM._from_config(Qwen3Config(**cfg), dtype=dtype)  # built in dtype: no float32 copy
+    # built in dtype: no float32 copy
+    model = Qwen3ForCausalLM._from_config(Qwen3Config(**cfg), dtype=dtype)
     tmp = path.with_name(f'.{path.name}.tmp{os.getpid()}')
     tmp.parent.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(tmp)
@@ -86,24 +97,29 @@ def make_random_checkpoint(path=None, shape: str = 'qwen3-0.6b', dtype=torch.bfl
 
 # %% ../nbs/17_benchmarks.ipynb #b04d180f
 def linear_shapes(cfg: dict) -> list[tuple[int, int]]:
-    "(out_features, in_features) of every matmul one token passes through: qkv, o, gate_up, down per layer, then lm_head."
+    "(out, in) features of every matmul one token passes: qkv, o, gate_up, down per layer, lm_head."
     H, I, hd = cfg['hidden_size'], cfg['intermediate_size'], cfg['head_dim']
     q, kv = cfg['num_attention_heads'] * hd, cfg['num_key_value_heads'] * hd
     layer = [(q + 2 * kv, H), (H, q), (2 * I, H), (H, I)]
     return layer * cfg['num_hidden_layers'] + [(cfg['vocab_size'], H)]
 
 def weight_bytes(cfg: dict, dtype=torch.bfloat16) -> int:
-    "Bytes of weights a batch-1 decode step reads (the linear layers; norms and one embedding row are noise)."
-    return sum(o * i for o, i in linear_shapes(cfg)) * torch.empty(0, dtype=as_dtype(dtype)).element_size()
+    "Weight bytes a batch-1 decode step reads (the linears; norms and one embedding row are noise)."
+    element_size = torch.empty(0, dtype=as_dtype(dtype)).element_size()
+    return sum(o * i for o, i in linear_shapes(cfg)) * element_size
 
 # %% ../nbs/17_benchmarks.ipynb #9ba91da8
 def _sync(device):
-    if torch.device(device).type == 'cuda': torch.cuda.synchronize()
+    if torch.device(device).type == 'cuda':
+        torch.cuda.synchronize()
 
 def _timed(fn, device='cpu') -> float:
     "Seconds fn() takes, with the device's queue drained before and after."
-    _sync(device); t = time.perf_counter(); fn(); _sync(device)
-    return time.perf_counter() - t
+    _sync(device)
+    start = time.perf_counter()
+    fn()
+    _sync(device)
+    return time.perf_counter() - start
 
 def memory_read_gb_s(nbytes: int = 1 << 29, repeats: int = 5, device='cpu') -> float:
     "A STREAM-like read bandwidth in GB/s: the best time to sum a float32 tensor of nbytes."
@@ -111,43 +127,56 @@ def memory_read_gb_s(nbytes: int = 1 << 29, repeats: int = 5, device='cpu') -> f
     x.sum()  # first touch
     return nbytes / min(_timed(x.sum, device) for _ in range(repeats)) / 1e9
 
-def linear_bound(cfg: dict, dtype=torch.bfloat16, device='cpu', repeats: int = 5, packed: bool = False) -> dict:
-    "Time eager F.linear (or chapter 14's PackedLinear) over the model's weight shapes for one batch-1 token."
+def linear_bound(cfg: dict, dtype=torch.bfloat16, device='cpu', repeats: int = 5,
+                 packed: bool = False) -> dict:
+    "Time eager F.linear (or chapter 14's PackedLinear) over the model's weight shapes, one token."
     dtype, shapes = as_dtype(dtype), linear_shapes(cfg)
-    if packed and not packed_linear_available(dtype, device): raise ValueError(f"no prepacked linear for {dtype} on {device}")
+    if packed and not packed_linear_available(dtype, device):
+        raise ValueError(f"no prepacked linear for {dtype} on {device}")
     g = torch.Generator(device=device).manual_seed(0)
     # distinct tensors, as in the model: one reused weight would sit in cache and time a fiction
     ws = [torch.randn(o, i, generator=g, dtype=dtype, device=device) for o, i in shapes]
-    xs = {i: torch.randn(1, i, generator=g, dtype=dtype, device=device) for i in {i for _, i in shapes}}  # [1, in]
+    in_features = {i for _, i in shapes}
+    # one input [1, in] per input width
+    xs = {i: torch.randn(1, i, generator=g, dtype=dtype, device=device) for i in in_features}
     nbytes = sum(w.numel() for w in ws) * ws[0].element_size()
     with torch.inference_mode():
-        if packed:  # one weight at a time, so the plain copy is freed as its packed twin appears
-            for k, w in enumerate(ws): ws[k] = PackedLinear(w)
+        if packed:
+            # one weight at a time, so the plain copy is freed as its packed twin appears
+            for k, w in enumerate(ws):
+                ws[k] = PackedLinear(w)
             def step():
-                for lin in ws: lin(xs[lin.in_features])  # [1, out]
+                for lin in ws:
+                    lin(xs[lin.in_features])  # [1, out]
         else:
             def step():
-                for w in ws: F.linear(xs[w.shape[1]], w)  # [1, out]
+                for w in ws:
+                    F.linear(xs[w.shape[1]], w)  # [1, out]
         step()  # warm-up: primitive creation, first touch
         sec = min(_timed(step, device) for _ in range(repeats))
     del ws
-    return dict(sec_per_token=sec, tok_s=1 / sec, weight_bytes=nbytes, gb_s=nbytes / sec / 1e9, matmuls=len(shapes))
+    return dict(sec_per_token=sec, tok_s=1 / sec, weight_bytes=nbytes, gb_s=nbytes / sec / 1e9,
+                matmuls=len(shapes))
 
 # %% ../nbs/17_benchmarks.ipynb #1d42da95
 class TransformersPeer:
-    "transformers `generate` over static, left-padded, length-sorted batches: the peer every figure is compared with."
+    "transformers `generate` over static, left-padded, length-sorted batches: our peer."
     name = 'transformers'
     def __init__(self, path, dtype=torch.bfloat16, device='cpu', batch_size: int = 1):
-        try: from transformers import AutoModelForCausalLM
-        except ImportError as e: raise ImportError("the benchmark's peer needs transformers: pip install transformers") from e
-        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=as_dtype(dtype)).to(device).eval()
+        try:
+            from transformers import AutoModelForCausalLM
+        except ImportError as e:
+            raise ImportError("the benchmark's peer needs transformers: "
+                              "pip install transformers") from e
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=as_dtype(dtype))
+        self.model = model.to(device).eval()
         self.device, self.batch_size = torch.device(device), batch_size
 
     def generate(self, prompts: list[list[int]], max_tokens: list[int]):
-        "Greedy-generate max_tokens[i] tokens for prompts[i], batch_size requests at a time, shortest prompts first."
+        "Greedy-generate max_tokens[i] tokens for prompts[i], batch_size at a time, shortest first."
         order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
-        for s in range(0, len(order), self.batch_size):
-            idx = order[s:s + self.batch_size]
+        for start in range(0, len(order), self.batch_size):
+            idx = order[start:start + self.batch_size]
             self._generate_batch([prompts[i] for i in idx], max(max_tokens[i] for i in idx))
 
     def _generate_batch(self, prompts: list[list[int]], n: int):
@@ -158,9 +187,12 @@ class TransformersPeer:
             ids[r, L - len(p):] = torch.tensor(p)
             mask[r, L - len(p):] = 1
         with torch.inference_mode():
-            out = self.model.generate(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
-                                      do_sample=False, max_new_tokens=n, min_new_tokens=n, pad_token_id=0)
-        assert out.shape == (len(prompts), L + n), out.shape  # min_new_tokens: EOS never stops a batch early
+            out = self.model.generate(input_ids=ids.to(self.device),
+                                      attention_mask=mask.to(self.device),
+                                      do_sample=False, max_new_tokens=n, min_new_tokens=n,
+                                      pad_token_id=0)
+        # min_new_tokens: EOS never stops a batch early
+        assert out.shape == (len(prompts), L + n), out.shape
 
 class PetitePeer:
     "petite_llm's `LLM.generate`: one call, the scheduler batches continuously."
@@ -173,27 +205,36 @@ class PetitePeer:
 
     def generate(self, prompts: list[list[int]], max_tokens: list[int]):
         "Greedy-generate exactly max_tokens[i] tokens for prompts[i] in one engine call."
-        sps = [self.SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in max_tokens]
+        sps = [self.SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+               for n in max_tokens]
         outs = self.llm.generate(prompts, sps, use_tqdm=False)
         assert [len(o.token_ids) for o in outs] == list(max_tokens)
 
 # %% ../nbs/17_benchmarks.ipynb #302b5604
 def make_requests(n: int, min_len: int, max_len: int, vocab_size: int, seed: int = 0,
-                  out_min: int | None = None, out_max: int | None = None) -> list[tuple[list[int], int]]:
-    "n seeded (prompt token ids, output length) pairs; prompt lengths uniform in [min_len, max_len], outputs likewise."
+                  out_min: int | None = None,
+                  out_max: int | None = None) -> list[tuple[list[int], int]]:
+    "n seeded (prompt token ids, output length) pairs, lengths uniform in [min_len, max_len]."
     rng, hi = random.Random(seed), min(vocab_size, 10_000)
     out_min, out_max = out_min or min_len, out_max or max_len
-    return [([rng.randrange(hi) for _ in range(rng.randint(min_len, max_len))], rng.randint(out_min, out_max))
-            for _ in range(n)]
+    requests = []
+    for _ in range(n):
+        prompt = [rng.randrange(hi) for _ in range(rng.randint(min_len, max_len))]
+        requests.append((prompt, rng.randint(out_min, out_max)))
+    return requests
 
 # %% ../nbs/17_benchmarks.ipynb #60bd60c5
-def measure_prefill_decode(peer, prompt_len: int, decode_tokens: int, vocab_size: int, repeats: int = 2,
-                           device='cpu', seed: int = 1000) -> dict:
-    "Prefill tok/s (P / t1) and batch-1 decode tok/s ((N-1) / (tN - t1)) on fresh random prompts of prompt_len tokens."
-    prompts = iter(p for p, _ in make_requests(2 * repeats, prompt_len, prompt_len, vocab_size, seed=seed))
-    t1 = min(_timed(lambda: peer.generate([next(prompts)], [1]), device) for _ in range(repeats))
-    tn = min(_timed(lambda: peer.generate([next(prompts)], [decode_tokens]), device) for _ in range(repeats))
-    return dict(prefill_tok_s=prompt_len / t1, decode_tok_s=(decode_tokens - 1) / max(tn - t1, 1e-9),
+def measure_prefill_decode(peer, prompt_len: int, decode_tokens: int, vocab_size: int,
+                           repeats: int = 2, device='cpu', seed: int = 1000) -> dict:
+    "Prefill tok/s (P / t1) and batch-1 decode tok/s ((N-1) / (tN - t1)), on fresh random prompts."
+    requests = make_requests(2 * repeats, prompt_len, prompt_len, vocab_size, seed=seed)
+    prompts = iter(p for p, _ in requests)
+    t1 = min(_timed(lambda: peer.generate([next(prompts)], [1]), device)
+             for _ in range(repeats))
+    tn = min(_timed(lambda: peer.generate([next(prompts)], [decode_tokens]), device)
+             for _ in range(repeats))
+    return dict(prefill_tok_s=prompt_len / t1,
+                decode_tok_s=(decode_tokens - 1) / max(tn - t1, 1e-9),
                 prefill_s=t1, decode_run_s=tn)
 
 def measure_offline(peer, requests, device='cpu') -> dict:
@@ -202,9 +243,9 @@ def measure_offline(peer, requests, device='cpu') -> dict:
     sec = _timed(lambda: peer.generate(prompts, outs), device)
     return dict(offline_tok_s=sum(outs) / sec, offline_s=sec, offline_output_tokens=sum(outs))
 
-def choose_batch_size(peer, requests, batch_sizes=(1, 4, 8, 16), probe_requests: int = 16, probe_tokens: int = 32,
-                      device='cpu') -> tuple[int, dict]:
-    "The fastest static batch size for a TransformersPeer, timed on a sample with outputs scaled to <= probe_tokens."
+def choose_batch_size(peer, requests, batch_sizes=(1, 4, 8, 16), probe_requests: int = 16,
+                      probe_tokens: int = 32, device='cpu') -> tuple[int, dict]:
+    "A TransformersPeer's fastest static batch size, on a sample with outputs cut to probe_tokens."
     longest = max(n for _, n in requests)
     sample = [(p, max(1, round(n * probe_tokens / longest))) for p, n in requests[:probe_requests]]
     tok_s = {}
@@ -215,64 +256,89 @@ def choose_batch_size(peer, requests, batch_sizes=(1, 4, 8, 16), probe_requests:
     return peer.batch_size, tok_s
 
 # %% ../nbs/17_benchmarks.ipynb #5032a392
-FULL = dict(shape='qwen3-0.6b', layers=None, prompt_len=512, decode_tokens=64, requests=64, min_len=32, max_len=256,
+FULL = dict(shape='qwen3-0.6b', layers=None, prompt_len=512, decode_tokens=64,
+            requests=64, min_len=32, max_len=256,
             probe_requests=16, probe_tokens=32, repeats=2, read_bytes=1 << 29)
-QUICK = dict(shape='tiny', layers=2, prompt_len=64, decode_tokens=8, requests=6, min_len=8, max_len=32,
+QUICK = dict(shape='tiny', layers=2, prompt_len=64, decode_tokens=8,
+             requests=6, min_len=8, max_len=32,
              probe_requests=4, probe_tokens=4, repeats=1, read_bytes=1 << 24)
 
 def _free():
     gc.collect()
-    if torch.cuda.is_available(): torch.cuda.empty_cache()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
-def run_benchmark(model=None, shape=None, layers=None, dtype='bfloat16', threads=None, device='cpu', prompt_len=None,
-                  decode_tokens=None, requests=None, min_len=None, max_len=None, batch_sizes=(1, 4, 8, 16),
-                  probe_requests=None, probe_tokens=None, repeats=None, read_bytes=None, seed=0, quick=False,
-                  engines=('petite_llm', 'transformers'), llm_kwargs=None) -> dict:
-    "Measure petite_llm and transformers on the same weights, dtype and threads; every figure and ratio in a dict."
-    given = dict(shape=shape, layers=layers, prompt_len=prompt_len, decode_tokens=decode_tokens, requests=requests,
-                 min_len=min_len, max_len=max_len, probe_requests=probe_requests, probe_tokens=probe_tokens,
+def run_benchmark(model=None, shape=None, layers=None, dtype='bfloat16', threads=None, device='cpu',
+                  prompt_len=None, decode_tokens=None, requests=None, min_len=None, max_len=None,
+                  batch_sizes=(1, 4, 8, 16), probe_requests=None, probe_tokens=None, repeats=None,
+                  read_bytes=None, seed=0, quick=False, engines=('petite_llm', 'transformers'),
+                  llm_kwargs=None) -> dict:
+    "Measure petite_llm and transformers on the same weights, dtype and threads; figures in a dict."
+    given = dict(shape=shape, layers=layers, prompt_len=prompt_len, decode_tokens=decode_tokens,
+                 requests=requests, min_len=min_len, max_len=max_len,
+                 probe_requests=probe_requests, probe_tokens=probe_tokens,
                  repeats=repeats, read_bytes=read_bytes)
-    o = {k: (v if v is not None else (QUICK if quick else FULL)[k]) for k, v in given.items()}
+    preset = QUICK if quick else FULL
+    opts = {k: (v if v is not None else preset[k]) for k, v in given.items()}
     dtype, device = as_dtype(dtype), torch.device(device)
-    if o['decode_tokens'] < 2: raise ValueError("decode_tokens must be at least 2 (decode is timed after the first token)")
-    if not 1 <= o['min_len'] <= o['max_len']: raise ValueError(f"need 1 <= min_len <= max_len, got {o['min_len']}, {o['max_len']}")
+    if opts['decode_tokens'] < 2:
+        raise ValueError("decode_tokens must be at least 2 (decode is timed after the first token)")
+    if not 1 <= opts['min_len'] <= opts['max_len']:
+        raise ValueError(f"need 1 <= min_len <= max_len, got {opts['min_len']}, {opts['max_len']}")
     unknown = set(engines) - {'petite_llm', 'transformers'}
-    if unknown: raise ValueError(f"unknown engines {sorted(unknown)}: use petite_llm and/or transformers")
-    path = Path(model) if model else make_random_checkpoint(shape=o['shape'], dtype=dtype, num_layers=o['layers'], seed=seed)
+    if unknown:
+        raise ValueError(f"unknown engines {sorted(unknown)}: use petite_llm and/or transformers")
+    if model:
+        path = Path(model)
+    else:
+        path = make_random_checkpoint(shape=opts['shape'], dtype=dtype, num_layers=opts['layers'],
+                                      seed=seed)
     cfg = json.loads((path/'config.json').read_text())
     cfg.setdefault('head_dim', cfg['hidden_size'] // cfg['num_attention_heads'])
-    requests_ = make_requests(o['requests'], o['min_len'], o['max_len'], cfg['vocab_size'], seed=seed)
+    offline = make_requests(opts['requests'], opts['min_len'], opts['max_len'], cfg['vocab_size'],
+                            seed=seed)
     old_threads = torch.get_num_threads()
-    if threads: torch.set_num_threads(threads)
+    if threads:
+        torch.set_num_threads(threads)
     t_start = time.perf_counter()
     try:
-        res = dict(shape=o['shape'] if not model else str(model), dtype=dtype_name(dtype), device=str(device),
-                   threads=torch.get_num_threads(), torch=torch.__version__, machine=platform.machine(),
-                   cpu_count=os.cpu_count(), config={k: cfg.get(k) for k in SHAPES['tiny']} | dict(
-                       rope_theta=cfg.get('rope_theta') or (cfg.get('rope_parameters') or {}).get('rope_theta')),
-                   lengths=dict(prompt_len=o['prompt_len'], decode_tokens=o['decode_tokens'], requests=o['requests'],
-                                min_len=o['min_len'], max_len=o['max_len'], seed=seed,
-                                offline_prompt_tokens=sum(len(p) for p, _ in requests_),
-                                offline_output_tokens=sum(n for _, n in requests_)))
-        res['memory_read_gb_s'] = memory_read_gb_s(o['read_bytes'], device=device)
+        rope_theta = cfg.get('rope_theta') or (cfg.get('rope_parameters') or {}).get('rope_theta')
+        res = dict(shape=opts['shape'] if not model else str(model), dtype=dtype_name(dtype),
+                   device=str(device), threads=torch.get_num_threads(), torch=torch.__version__,
+                   machine=platform.machine(), cpu_count=os.cpu_count(),
+                   config={k: cfg.get(k) for k in SHAPES['tiny']} | dict(rope_theta=rope_theta),
+                   lengths=dict(prompt_len=opts['prompt_len'], decode_tokens=opts['decode_tokens'],
+                                requests=opts['requests'], min_len=opts['min_len'],
+                                max_len=opts['max_len'], seed=seed,
+                                offline_prompt_tokens=sum(len(p) for p, _ in offline),
+                                offline_output_tokens=sum(n for _, n in offline)))
+        res['memory_read_gb_s'] = memory_read_gb_s(opts['read_bytes'], device=device)
         res['roofline_tok_s'] = res['memory_read_gb_s'] * 1e9 / weight_bytes(cfg, dtype)
-        res['linear_bound'] = linear_bound(cfg, dtype, device, repeats=max(3, o['repeats']))
+        bound_repeats = max(3, opts['repeats'])
+        res['linear_bound'] = linear_bound(cfg, dtype, device, repeats=bound_repeats)
         _free()
         if packed_linear_available(dtype, device):
-            res['linear_bound_packed'] = linear_bound(cfg, dtype, device, repeats=max(3, o['repeats']), packed=True)
+            res['linear_bound_packed'] = linear_bound(cfg, dtype, device, repeats=bound_repeats,
+                                                      packed=True)
             _free()
         for name in engines:
-            peer = (PetitePeer(path, dtype, device, **(llm_kwargs or {})) if name == 'petite_llm'
-                    else TransformersPeer(path, dtype, device))
-            peer.generate(*map(list, zip(*make_requests(2, 8, 16, cfg['vocab_size'], seed=seed + 7))))  # warm-up
-            r = measure_prefill_decode(peer, o['prompt_len'], o['decode_tokens'], cfg['vocab_size'], o['repeats'],
-                                       device, seed=seed + 1000)
+            if name == 'petite_llm':
+                peer = PetitePeer(path, dtype, device, **(llm_kwargs or {}))
+            else:
+                peer = TransformersPeer(path, dtype, device)
+            warm_up = make_requests(2, 8, 16, cfg['vocab_size'], seed=seed + 7)
+            peer.generate([p for p, _ in warm_up], [n for _, n in warm_up])
+            figures = measure_prefill_decode(peer, opts['prompt_len'], opts['decode_tokens'],
+                                             cfg['vocab_size'], opts['repeats'], device,
+                                             seed=seed + 1000)
             if name == 'transformers':
-                r['batch_size'], r['batch_size_tok_s'] = choose_batch_size(
-                    peer, requests_, batch_sizes, o['probe_requests'], o['probe_tokens'], device)
-            r.update(measure_offline(peer, requests_, device))
-            res[name] = r
-            del peer; _free()
+                figures['batch_size'], figures['batch_size_tok_s'] = choose_batch_size(
+                    peer, offline, batch_sizes, opts['probe_requests'], opts['probe_tokens'],
+                    device)
+            figures.update(measure_offline(peer, offline, device))
+            res[name] = figures
+            del peer
+            _free()
     finally:
         torch.set_num_threads(old_threads)
     res['seconds'] = time.perf_counter() - t_start
@@ -280,87 +346,121 @@ def run_benchmark(model=None, shape=None, layers=None, dtype='bfloat16', threads
     return res
 
 def ratios(res: dict) -> dict:
-    "petite_llm / transformers per workload, and petite_llm's decode as a fraction of the linear-only bound."
+    "petite_llm / transformers per workload, and each decode as a fraction of the linear bounds."
     p, t = res.get('petite_llm'), res.get('transformers')
     out = {}
     for w in ('prefill', 'decode', 'offline'):
-        if p and t: out[f'{w}_vs_transformers'] = p[f'{w}_tok_s'] / t[f'{w}_tok_s']
-    if p: out['decode_vs_linear_bound'] = p['decode_tok_s'] / res['linear_bound']['tok_s']
-    if p and 'linear_bound_packed' in res: out['decode_vs_packed_linear_bound'] = p['decode_tok_s'] / res['linear_bound_packed']['tok_s']
-    if t: out['transformers_decode_vs_linear_bound'] = t['decode_tok_s'] / res['linear_bound']['tok_s']
+        if p and t:
+            out[f'{w}_vs_transformers'] = p[f'{w}_tok_s'] / t[f'{w}_tok_s']
+    if p:
+        out['decode_vs_linear_bound'] = p['decode_tok_s'] / res['linear_bound']['tok_s']
+    if p and 'linear_bound_packed' in res:
+        packed_bound = res['linear_bound_packed']['tok_s']
+        out['decode_vs_packed_linear_bound'] = p['decode_tok_s'] / packed_bound
+    if t:
+        transformers_vs_bound = t['decode_tok_s'] / res['linear_bound']['tok_s']
+        out['transformers_decode_vs_linear_bound'] = transformers_vs_bound
     return out
 
 # %% ../nbs/17_benchmarks.ipynb #b1777a69
 def plot_results(res: dict, path=None):
-    "Bar chart of tok/s per workload (petite_llm vs transformers) with the decode bounds; saved to path if given."
+    "Bar chart of each engine's tok/s per workload, with the decode bounds; saved to path if given."
     import matplotlib.pyplot as plt
-    workloads = [('prefill', 'prefill'), ('decode', 'batch-1 decode'), ('offline', f"offline ({res['lengths']['requests']} req)")]
+    workloads = [('prefill', 'prefill'),
+                 ('decode', 'batch-1 decode'),
+                 ('offline', f"offline ({res['lengths']['requests']} req)")]
     fig, ax = plt.subplots(figsize=(7, 4))
     engines = [e for e in ('petite_llm', 'transformers') if e in res]
+    colors = {'petite_llm': 'C0', 'transformers': 'C1'}
     w = 0.8 / max(1, len(engines))
     for k, e in enumerate(engines):
         vals = [res[e][f'{key}_tok_s'] for key, _ in workloads]
         xs = [j + (k - (len(engines) - 1) / 2) * w for j in range(len(workloads))]
-        bars = ax.bar(xs, vals, w, label=e, color=('C0', 'C1')[('petite_llm', 'transformers').index(e)])
+        bars = ax.bar(xs, vals, w, label=e, color=colors[e])
         ax.bar_label(bars, fmt='%.1f', fontsize=8)
-    bounds = [('eager F.linear bound', res['linear_bound']['tok_s'], '--'), ('bandwidth roofline', res['roofline_tok_s'], ':')]
-    if 'linear_bound_packed' in res: bounds.insert(1, ('prepacked linear bound', res['linear_bound_packed']['tok_s'], '-.'))
+    bounds = [('eager F.linear bound', res['linear_bound']['tok_s'], '--'),
+              ('bandwidth roofline', res['roofline_tok_s'], ':')]
+    if 'linear_bound_packed' in res:
+        bounds.insert(1, ('prepacked linear bound', res['linear_bound_packed']['tok_s'], '-.'))
     for label, v, style in bounds:
         ax.hlines(v, 0.55, 1.45, colors='k', linestyles=style, label=f'{label}: {v:.1f} tok/s')
-    ax.set_yscale('log'); ax.set_ylabel('tokens / s')
-    ax.set_xticks(range(len(workloads)), [l for _, l in workloads])
+    ax.set_yscale('log')
+    ax.set_ylabel('tokens / s')
+    ax.set_xticks(range(len(workloads)), [label for _, label in workloads])
     ax.set_title(f"{res['shape']} · {res['dtype']} · {res['device']} · {res['threads']} threads")
-    ax.legend(fontsize=8, loc='upper right'); fig.tight_layout()
-    if path is not None: fig.savefig(path, dpi=110)
+    ax.legend(fontsize=8, loc='upper right')
+    fig.tight_layout()
+    if path is not None:
+        fig.savefig(path, dpi=110)
     return fig
 
 # %% ../nbs/17_benchmarks.ipynb #ff46442e
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     "Add the `petite-llm bench` options to an argparse parser."
     a = parser.add_argument
-    a('--model', help='a local checkpoint folder to benchmark (default: a random-weight checkpoint of --shape)')
-    a('--shape', choices=sorted(SHAPES), help=f"random-weight shape (default {FULL['shape']}; --quick: {QUICK['shape']})")
+    a('--model',
+      help='a local checkpoint folder to benchmark (default: a random-weight one of --shape)')
+    a('--shape', choices=sorted(SHAPES),
+      help=f"random-weight shape (default {FULL['shape']}; --quick: {QUICK['shape']})")
     a('--layers', type=int, help='override the number of layers of --shape, for a quick run')
     a('--dtype', default='bfloat16', help='bfloat16 (default), float16, float32')
-    a('--threads', type=int, help='torch threads for the whole run (default: torch.get_num_threads())')
+    a('--threads', type=int,
+      help='torch threads for the whole run (default: torch.get_num_threads())')
     a('--device', default='cpu', help='cpu (default) or cuda')
-    a('--prompt-len', type=int, help=f"prompt tokens for prefill and the decode context (default {FULL['prompt_len']})")
-    a('--decode-tokens', type=int, help=f"new tokens in the batch-1 decode run (default {FULL['decode_tokens']})")
+    a('--prompt-len', type=int,
+      help=f"prompt tokens for prefill and the decode context (default {FULL['prompt_len']})")
+    a('--decode-tokens', type=int,
+      help=f"new tokens in the batch-1 decode run (default {FULL['decode_tokens']})")
     a('--requests', type=int, help=f"offline requests (default {FULL['requests']})")
     a('--min-len', type=int, help=f"shortest offline prompt and output (default {FULL['min_len']})")
     a('--max-len', type=int, help=f"longest offline prompt and output (default {FULL['max_len']})")
-    a('--batch-sizes', default='1,4,8,16', help="transformers' static batch sizes to try (default 1,4,8,16)")
-    a('--probe-requests', type=int, help=f"requests in the sample that picks transformers' batch size (default {FULL['probe_requests']})")
-    a('--probe-tokens', type=int, help=f"longest output in that sample (default {FULL['probe_tokens']})")
-    a('--repeats', type=int, help=f"best of this many prefill/decode runs (default {FULL['repeats']})")
+    a('--batch-sizes', default='1,4,8,16',
+      help="transformers' static batch sizes to try (default 1,4,8,16)")
+    a('--probe-requests', type=int,
+      help=f"requests in the sample that picks transformers' batch size "
+           f"(default {FULL['probe_requests']})")
+    a('--probe-tokens', type=int,
+      help=f"longest output in that sample (default {FULL['probe_tokens']})")
+    a('--repeats', type=int,
+      help=f"best of this many prefill/decode runs (default {FULL['repeats']})")
     a('--seed', type=int, default=0, help='seed of the weights and the requests')
     a('--engines', default='petite_llm,transformers', help='which engines to run (default both)')
-    a('--kv-cache-memory', type=int, help="petite_llm's KV cache budget in bytes (default: the engine's)")
-    a('--quick', action='store_true', help='a smoke run in seconds: tiny shape, few requests, short lengths')
-    a('--out', nargs='?', const='images', help='write bench.json and bench_tok_s.png into this folder (default images/)')
+    a('--kv-cache-memory', type=int,
+      help="petite_llm's KV cache budget in bytes (default: the engine's)")
+    a('--quick', action='store_true',
+      help='a smoke run in seconds: tiny shape, few requests, short lengths')
+    a('--out', nargs='?', const='images',
+      help='write bench.json and bench_tok_s.png into this folder (default images/)')
     return parser
 
 def run(args) -> dict:
-    "Run `petite-llm bench` from parsed arguments: print the JSON on stdout, write --out files, return the dict."
-    llm_kwargs = {} if args.kv_cache_memory is None else dict(kv_cache_memory=args.kv_cache_memory)
-    with contextlib.redirect_stdout(sys.stderr):  # keep stdout pure JSON whatever the engines print
-        res = run_benchmark(model=args.model, shape=args.shape, layers=args.layers, dtype=args.dtype,
-                            threads=args.threads, device=args.device, prompt_len=args.prompt_len,
-                            decode_tokens=args.decode_tokens, requests=args.requests, min_len=args.min_len,
-                            max_len=args.max_len, batch_sizes=tuple(int(b) for b in args.batch_sizes.split(',')),
-                            probe_requests=args.probe_requests, probe_tokens=args.probe_tokens,
-                            repeats=args.repeats, seed=args.seed, quick=args.quick,
-                            engines=tuple(e.strip() for e in args.engines.split(',')), llm_kwargs=llm_kwargs)
+    "Run `petite-llm bench` from parsed arguments: JSON on stdout, --out files; return the dict."
+    llm_kwargs = {}
+    if args.kv_cache_memory is not None:
+        llm_kwargs = dict(kv_cache_memory=args.kv_cache_memory)
+    batch_sizes = tuple(int(b) for b in args.batch_sizes.split(','))
+    engines = tuple(e.strip() for e in args.engines.split(','))
+    # keep stdout pure JSON whatever the engines print
+    with contextlib.redirect_stdout(sys.stderr):
+        res = run_benchmark(model=args.model, shape=args.shape, layers=args.layers,
+                            dtype=args.dtype, threads=args.threads, device=args.device,
+                            prompt_len=args.prompt_len, decode_tokens=args.decode_tokens,
+                            requests=args.requests, min_len=args.min_len, max_len=args.max_len,
+                            batch_sizes=batch_sizes, probe_requests=args.probe_requests,
+                            probe_tokens=args.probe_tokens, repeats=args.repeats, seed=args.seed,
+                            quick=args.quick, engines=engines, llm_kwargs=llm_kwargs)
         if args.out:
-            out = Path(args.out); out.mkdir(parents=True, exist_ok=True)
+            out = Path(args.out)
+            out.mkdir(parents=True, exist_ok=True)
             (out/'bench.json').write_text(json.dumps(res, indent=2))
             plot_results(res, out/'bench_tok_s.png')
     print(json.dumps(res, indent=2))
     return res
 
 # %% ../nbs/17_benchmarks.ipynb #2c6650ea
-def profile_decode(path, dtype='bfloat16', prompt_len: int = 512, steps: int = 10, top: int = 15, llm_kwargs=None) -> dict:
-    "CPU ms per batch-1 decode step, by function: cProfile on one thread's CPU time, robust to other load."
+def profile_decode(path, dtype='bfloat16', prompt_len: int = 512, steps: int = 10, top: int = 15,
+                   llm_kwargs=None) -> dict:
+    "CPU ms per batch-1 decode step by function: cProfile on one thread's CPU time, robust to load."
     import cProfile, pstats
     from petite_llm.engine import LLM
     from petite_llm.sampling import SamplingParams
@@ -368,49 +468,75 @@ def profile_decode(path, dtype='bfloat16', prompt_len: int = 512, steps: int = 1
     torch.set_num_threads(1)  # thread_time sees only this thread: keep all the work on it
     try:
         llm = LLM(str(path), dtype=as_dtype(dtype), **(llm_kwargs or {}))
-        eng, vocab = llm.engine, json.loads((Path(path)/'config.json').read_text())['vocab_size']
-        eng.add_request(make_requests(1, prompt_len, prompt_len, vocab, seed=99)[0][0],
-                        SamplingParams(temperature=0, max_tokens=steps + 2, ignore_eos=True))
-        eng.step(); eng.step()  # the prefill (one chunk up to max_num_batched_tokens), then a first decode
+        engine = llm.engine
+        vocab = json.loads((Path(path)/'config.json').read_text())['vocab_size']
+        engine.add_request(make_requests(1, prompt_len, prompt_len, vocab, seed=99)[0][0],
+                           SamplingParams(temperature=0, max_tokens=steps + 2, ignore_eos=True))
+        # the prefill (one chunk up to max_num_batched_tokens), then a first decode
+        engine.step()
+        engine.step()
         prof = cProfile.Profile(timer=time.thread_time)
-        t = time.thread_time(); prof.enable()
-        for _ in range(steps): eng.step()
-        prof.disable(); total = time.thread_time() - t
+        start = time.thread_time()
+        prof.enable()
+        for _ in range(steps):
+            engine.step()
+        prof.disable()
+        total = time.thread_time() - start
     finally:
         torch.set_num_threads(old)
     rows = []
     for (file, line, func), (_, _, tottime, _, _) in pstats.Stats(prof).stats.items():
-        if file == '~':  # a builtin: "<built-in method torch._C._nn.linear>", "<method 'to' of 'torch._C.TensorBase' objects>"
+        if file == '~':
+            # a builtin: "<built-in method torch._C._nn.linear>",
+            # "<method 'to' of 'torch._C.TensorBase' objects>"
             m = re.fullmatch(r"<method '(\w+)' of '[\w.]*TensorBase' objects>", func)
-            name = f'Tensor.{m.group(1)}' if m else func.strip('<>{}').removeprefix('built-in method ')
-        else: name = f"{Path(file).parent.name}/{Path(file).name}:{func}"
+            if m:
+                name = f'Tensor.{m.group(1)}'
+            else:
+                name = func.strip('<>{}').removeprefix('built-in method ')
+        else:
+            name = f"{Path(file).parent.name}/{Path(file).name}:{func}"
         rows.append((name, tottime / steps * 1e3))
     rows.sort(key=lambda r: -r[1])
     return dict(step_ms=total / steps * 1e3, prompt_len=prompt_len, top=rows[:top])
 
 # %% ../nbs/17_benchmarks.ipynb #dc8a5f98
+def _fmt(v) -> str:
+    return '-' if v is None else f'{v:,.1f}'
+
 def scoreboard(res: dict) -> str:
-    "A plain-text table of a run: tok/s per workload for each engine, their ratio, and the machine's bounds."
+    "A plain-text table of a run: tok/s per workload and engine, their ratio, the machine's bounds."
     L = res['lengths']
-    names = [('prefill', f"prefill ({L['prompt_len']} tokens)"), ('decode', f"batch-1 decode (ctx {L['prompt_len']})"),
+    names = [('prefill', f"prefill ({L['prompt_len']} tokens)"),
+             ('decode', f"batch-1 decode (ctx {L['prompt_len']})"),
              ('offline', f"offline ({L['requests']} req, {L['min_len']}-{L['max_len']})")]
-    fmt = lambda v: '-' if v is None else f'{v:,.1f}'
     rows = [('tok/s', 'petite_llm', 'transformers', 'petite/hf')]
     for key, label in names:
-        p, t = (res[e][f'{key}_tok_s'] if e in res else None for e in ('petite_llm', 'transformers'))
-        rows.append((label, fmt(p), fmt(t), '-' if None in (p, t) else f'{p / t:.2f}x'))
+        p, t = (res[e][f'{key}_tok_s'] if e in res else None
+                for e in ('petite_llm', 'transformers'))
+        rows.append((label, _fmt(p), _fmt(t), '-' if None in (p, t) else f'{p / t:.2f}x'))
     w = [max(len(r[i]) for r in rows) for i in range(4)]
-    lines = ['  '.join(c.ljust(w[i]) if i == 0 else c.rjust(w[i]) for i, c in enumerate(r)) for r in rows]
+    lines = ['  '.join(c.ljust(w[i]) if i == 0 else c.rjust(w[i]) for i, c in enumerate(r))
+             for r in rows]
     lb = res['linear_bound']
-    lines.append(f"bounds, batch-1 decode: eager F.linear {lb['tok_s']:.1f} tok/s ({lb['gb_s']:.1f} GB/s); "
-                 + (f"prepacked linear {res['linear_bound_packed']['tok_s']:.1f} tok/s; " if 'linear_bound_packed' in res else '')
-                 + f"memory read {res['memory_read_gb_s']:.1f} GB/s -> roofline {res['roofline_tok_s']:.1f} tok/s")
+    bounds = (f"bounds, batch-1 decode: eager F.linear {lb['tok_s']:.1f} tok/s "
+              f"({lb['gb_s']:.1f} GB/s); ")
+    if 'linear_bound_packed' in res:
+        bounds += f"prepacked linear {res['linear_bound_packed']['tok_s']:.1f} tok/s; "
+    bounds += (f"memory read {res['memory_read_gb_s']:.1f} GB/s "
+               f"-> roofline {res['roofline_tok_s']:.1f} tok/s")
+    lines.append(bounds)
     if 'decode_vs_linear_bound' in res['ratios']:
         r = res['ratios']
-        lines.append(f"petite_llm batch-1 decode = {r['decode_vs_linear_bound']:.0%} of the F.linear bound"
-                     + (f", {r['decode_vs_packed_linear_bound']:.0%} of the packed bound" if 'decode_vs_packed_linear_bound' in r else ''))
+        line = (f"petite_llm batch-1 decode = {r['decode_vs_linear_bound']:.0%} "
+                "of the F.linear bound")
+        if 'decode_vs_packed_linear_bound' in r:
+            line += f", {r['decode_vs_packed_linear_bound']:.0%} of the packed bound"
+        lines.append(line)
     if 'transformers' in res:
-        lines.append(f"transformers static batch size: {res['transformers']['batch_size']} (best of "
-                     + ', '.join(f'{b}: {v:.1f}' for b, v in res['transformers']['batch_size_tok_s'].items()) + ' tok/s)')
-    lines.append(f"{res['shape']} · {res['dtype']} · {res['device']} · {res['threads']} threads · torch {res['torch']}")
+        hf = res['transformers']
+        tried = ', '.join(f'{b}: {v:.1f}' for b, v in hf['batch_size_tok_s'].items())
+        lines.append(f"transformers static batch size: {hf['batch_size']} (best of {tried} tok/s)")
+    lines.append(f"{res['shape']} · {res['dtype']} · {res['device']} · {res['threads']} threads · "
+                 f"torch {res['torch']}")
     return '\n'.join(lines)

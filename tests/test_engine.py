@@ -1,10 +1,11 @@
-"""The engine against Hugging Face transformers: greedy tokens in float64, logits in float32, seeded sampling, errors, text.
+"""The engine against transformers: greedy tokens (fp64), logits (fp32), sampling, errors, text.
 
-Random-weight Qwen3 checkpoints are built with transformers and saved to a temporary folder, without tokenizer files:
-prompts are token ids. transformers' own `generate(do_sample=False)` on each prompt *alone* is the oracle; the engine
-runs all prompts together, with small blocks, tiny prefill budgets, prefix hits, preemption and mixed priorities.
-Greedy identity is checked in float64 (random weights give near-ties that fp32 rounding could flip); fp32 is checked
-on the logits of every generated position, within 1e-4 * max|logit|.
+Random-weight Qwen3 checkpoints are built with transformers and saved to a temporary folder, without
+tokenizer files: prompts are token ids. transformers' own `generate(do_sample=False)` on each prompt
+*alone* is the oracle; the engine runs all prompts together, with small blocks, tiny prefill
+budgets, prefix hits, preemption and mixed priorities. Greedy identity is checked in float64 (random
+weights give near-ties that fp32 rounding could flip); fp32 is checked on the logits of every
+generated position, within 1e-4 * max|logit|.
 """
 import logging
 import random
@@ -25,7 +26,7 @@ VOCAB, EOS = 300, 2
 
 @pytest.fixture(autouse=True, scope="module")
 def one_thread():
-    "These models are tiny: one thread is faster than two, and far faster on a busy machine (no OpenMP barriers)."
+    "Tiny models: one thread beats two, by far on a busy machine (no OpenMP barriers)."
     n = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
@@ -33,14 +34,18 @@ def one_thread():
 
 
 def _checkpoint(path, dtype, seed=0, **overrides):
-    "Save a random-weight Qwen3 (2 layers, hidden 64, 4 query heads on 2 KV heads, head_dim 16); return transformers' eager model."
-    kw = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, head_dim=16, max_position_embeddings=256, tie_word_embeddings=False,
-              bos_token_id=1, eos_token_id=EOS, pad_token_id=0, initializer_range=0.2)   # large init: varied tokens
+    "Save a random-weight Qwen3 (2 layers, hidden 64, 4 q on 2 KV heads); return HF's eager model."
+    kw = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+              max_position_embeddings=256, tie_word_embeddings=False,
+              bos_token_id=1, eos_token_id=EOS, pad_token_id=0,
+              initializer_range=0.2)   # large init: varied tokens
     kw.update(overrides)
     torch.manual_seed(seed)
     transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**kw)).to(dtype).save_pretrained(path)
-    return transformers.Qwen3ForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="eager").eval()
+    hf = transformers.Qwen3ForCausalLM.from_pretrained(path, dtype=dtype,
+                                                       attn_implementation="eager")
+    return hf.eval()
 
 
 @pytest.fixture(scope="module")
@@ -52,17 +57,19 @@ def f64(tmp_path_factory):
 @pytest.fixture(scope="module")
 def f32(tmp_path_factory):
     path = tmp_path_factory.mktemp("qwen3_f32")
-    return path, _checkpoint(path, torch.float32, seed=1, tie_word_embeddings=True, num_key_value_heads=1)
+    return path, _checkpoint(path, torch.float32, seed=1, tie_word_embeddings=True,
+                             num_key_value_heads=1)
 
 
 LENGTHS = [1, 2, 3, 7, 8, 9, 15, 16, 17, 24, 31, 32, 33, 48, 64, 70]
 
 def _prompts(seed=0, shared=0):
-    "16 prompts of mixed lengths (1 to 70 tokens); with `shared`, 14 of them start with the same `shared` tokens."
+    "16 prompts of mixed lengths (1 to 70 tokens); with `shared`, 14 share their first tokens."
     rng = random.Random(seed)
     lengths = rng.sample(LENGTHS, len(LENGTHS))
     prefix = [rng.randrange(3, VOCAB) for _ in range(shared)]
-    return [(prefix if shared and i >= 2 else []) + [rng.randrange(3, VOCAB) for _ in range(n)] for i, n in enumerate(lengths)]
+    return [(prefix if shared and i >= 2 else []) + [rng.randrange(3, VOCAB) for _ in range(n)]
+            for i, n in enumerate(lengths)]
 
 def _max_tokens(seed=0):
     rng = random.Random(seed + 100)
@@ -76,7 +83,8 @@ def hf_greedy(hf, prompt, max_new_tokens):
     if key not in _hf_cache:
         ids = torch.tensor([prompt])
         with torch.inference_mode():
-            out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
+            out = hf.generate(ids, attention_mask=torch.ones_like(ids),
+                              max_new_tokens=max_new_tokens, do_sample=False,
                               eos_token_id=EOS, pad_token_id=0)
         _hf_cache[key] = out[0, len(prompt):].tolist()
     return _hf_cache[key]
@@ -91,7 +99,8 @@ def _check_greedy(llm, hf, prompts, max_tokens, priority=None):
     outs = llm.generate(prompts, sps, priority=priority, use_tqdm=False)
     for i, (p, m, o) in enumerate(zip(prompts, max_tokens, outs)):
         want = hf_greedy(hf, p, m)
-        assert o.token_ids == want, f"prompt {i} ({len(p)} tokens): engine {o.token_ids} != transformers {want}"
+        assert o.token_ids == want, \
+            f"prompt {i} ({len(p)} tokens): engine {o.token_ids} != transformers {want}"
         assert o.finish_reason == ('stop' if want[-1] == EOS else 'length')
         assert o.prompt_token_ids == p
     return outs
@@ -99,25 +108,29 @@ def _check_greedy(llm, hf, prompts, max_tokens, priority=None):
 
 @pytest.mark.parametrize("block_size,budget", [(16, 2048), (1, 2048), (4, 8), (16, 8)])
 def test_greedy_parity_f64(f64, block_size, budget):
-    "16 prompts together == each alone in transformers, for any block size and chunked-prefill budget, mixed priorities."
+    "16 prompts together == each alone in transformers, whatever the block size and prefill budget."
     path, hf = f64
-    llm = LLM(path, block_size=block_size, max_num_batched_tokens=budget, kv_cache_memory=_pool(path, 4096 // block_size, block_size))
+    llm = LLM(path, block_size=block_size, max_num_batched_tokens=budget,
+              kv_cache_memory=_pool(path, 4096 // block_size, block_size))
     _check_greedy(llm, hf, _prompts(0), _max_tokens(0), priority=[i % 3 for i in range(16)])
     s = llm.stats
     assert s.kv_blocks_used == 0 and s.num_running == s.num_waiting == 0
-    assert s.num_generated_tokens == sum(len(hf_greedy(hf, p, m)) for p, m in zip(_prompts(0), _max_tokens(0)))
-    if budget == 8: assert s.num_steps > sum(LENGTHS) // 8   # prompts really were chunked
+    assert s.num_generated_tokens == sum(len(hf_greedy(hf, p, m))
+                                         for p, m in zip(_prompts(0), _max_tokens(0)))
+    if budget == 8:
+        assert s.num_steps > sum(LENGTHS) // 8   # prompts really were chunked
 
 
 def test_prefix_hits_and_full_hit_f64(f64):
-    "Prompts sharing a 40-token prefix hit the prefix cache (counted); a repeated prompt of whole blocks is a full hit."
+    "A shared 40-token prefix hits the prefix cache; a repeated whole-block prompt is a full hit."
     path, hf = f64
     llm = LLM(path, block_size=4, max_num_batched_tokens=48, kv_cache_memory=_pool(path, 512, 4))
     prompts, mt = _prompts(1, shared=40), _max_tokens(1)
     _check_greedy(llm, hf, prompts, mt, priority=[(i * 7) % 4 for i in range(16)])
     bm = llm.engine.block_manager
     assert bm.num_hit_tokens >= 40 and llm.stats.prefix_cache_hit_rate > 0
-    # a second pass: every full block of every prompt is cached now, except each prompt's last-token block
+    # a second pass: every full block of every prompt is cached now, except each prompt's
+    # last-token block
     hits = bm.num_hit_tokens
     _check_greedy(llm, hf, prompts, mt)
     assert bm.num_hit_tokens - hits == sum((len(p) - 1) // 4 * 4 for p in prompts)
@@ -130,7 +143,7 @@ def test_prefix_hits_and_full_hit_f64(f64):
 
 
 def test_preemption_parity_f64(f64):
-    "A pool of 24 blocks of 4 tokens for 16 requests: preemptions happen (counted) and change no token."
+    "A pool of 24 blocks of 4 tokens for 16 requests: preemptions happen and change no token."
     path, hf = f64
     llm = LLM(path, block_size=4, max_num_batched_tokens=64, kv_cache_memory=_pool(path, 24, 4))
     _check_greedy(llm, hf, _prompts(0), [12] * 16, priority=[(i * 5) % 3 for i in range(16)])
@@ -138,35 +151,42 @@ def test_preemption_parity_f64(f64):
     assert llm.stats.kv_blocks_used == 0
 
 
-@pytest.mark.parametrize("block_size,budget,num_blocks", [(4, 64, 24), (1, 8, 4096), (16, 2048, 64)])
+@pytest.mark.parametrize("block_size,budget,num_blocks",
+                         [(4, 64, 24), (1, 8, 4096), (16, 2048, 64)])
 def test_logits_f32(f32, block_size, budget, num_blocks):
-    "fp32 with any block size, 8-token chunks, preemption: every generated position's logits within 1e-4 * max|logit| of transformers'."
+    "fp32, any block size, 8-token chunks, preemption: each position's logits match HF within 1e-4."
     path, hf = f32
     llm = LLM(path, block_size=block_size, max_num_batched_tokens=budget,
               kv_cache_memory=_pool(path, num_blocks, block_size, torch.float32))
     rows, run = {}, llm.engine.runner.run
     def recording_run(so):
         out = run(so)
-        for s, row in zip(out.seqs, out.logits): rows.setdefault(tuple(s.prompt_token_ids), []).append(row.clone())
+        for s, row in zip(out.seqs, out.logits):
+            rows.setdefault(tuple(s.prompt_token_ids), []).append(row.clone())
         return out
     llm.engine.runner.run = recording_run
     prompts = _prompts(2)
-    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8), priority=[i % 2 for i in range(16)], use_tqdm=False)
-    if num_blocks == 24: assert llm.stats.num_preemptions > 0
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8),
+                        priority=[i % 2 for i in range(16)], use_tqdm=False)
+    if num_blocks == 24:
+        assert llm.stats.num_preemptions > 0
     for p, o in zip(prompts, outs):
         full = torch.tensor([p + o.token_ids])
-        with torch.inference_mode(): want = hf(full).logits[0, len(p) - 1:len(p) - 1 + len(o.token_ids)]   # [n, V]
+        with torch.inference_mode():
+            want = hf(full).logits[0, len(p) - 1:len(p) - 1 + len(o.token_ids)]   # [n, V]
         got = torch.stack(rows[tuple(p)])
         assert got.shape == want.shape
         err = (got - want).abs().max().item()
-        assert err <= 1e-4 * want.abs().max().item(), f"{len(p)}-token prompt: max |logit difference| {err:.2e}"
+        assert err <= 1e-4 * want.abs().max().item(), \
+            f"{len(p)}-token prompt: max |logit difference| {err:.2e}"
 
 
 def test_seeded_sampling_is_batch_and_preemption_invariant(f64):
     "A seeded request draws the same tokens alone, in any batch order, and after preemption."
     path, hf = f64
     prompts = _prompts(3)
-    sps = [SamplingParams(temperature=0.9, top_k=50, top_p=0.95, seed=100 + i, max_tokens=10) for i in range(16)]
+    sps = [SamplingParams(temperature=0.9, top_k=50, top_p=0.95, seed=100 + i, max_tokens=10)
+           for i in range(16)]
     llm = LLM(path, block_size=4, kv_cache_memory=_pool(path, 1024, 4))
     alone = {i: llm.generate([prompts[i]], sps[i], use_tqdm=False)[0].token_ids for i in (0, 5, 11)}
     batch = [o.token_ids for o in llm.generate(prompts, sps, use_tqdm=False)]
@@ -174,15 +194,17 @@ def test_seeded_sampling_is_batch_and_preemption_invariant(f64):
     rev = [o.token_ids for o in llm.generate(prompts[::-1], sps[::-1], use_tqdm=False)][::-1]
     assert rev == batch
     tiny = LLM(path, block_size=4, max_num_batched_tokens=128, kv_cache_memory=_pool(path, 24, 4))
-    squeezed = [o.token_ids for o in tiny.generate(prompts, sps, priority=[i % 2 for i in range(16)], use_tqdm=False)]
+    squeezed = tiny.generate(prompts, sps, priority=[i % 2 for i in range(16)], use_tqdm=False)
+    squeezed = [o.token_ids for o in squeezed]
     assert tiny.stats.num_preemptions > 0
     assert squeezed == batch
-    unseeded = llm.generate(prompts[:2], SamplingParams(temperature=0.9, max_tokens=10), use_tqdm=False)
+    unseeded = llm.generate(prompts[:2], SamplingParams(temperature=0.9, max_tokens=10),
+                            use_tqdm=False)
     assert all(len(o.token_ids) >= 1 for o in unseeded)
 
 
 def test_n_samples(f64):
-    "n > 1: n completions; greedy samples all equal transformers; seeded samples are reproducible and differ."
+    "n > 1: n completions; greedy ones equal transformers; seeded ones are reproducible and differ."
     path, hf = f64
     llm = LLM(path, block_size=4, kv_cache_memory=_pool(path, 256, 4))
     p = _prompts(4)[0] + [7] * 9
@@ -197,7 +219,7 @@ def test_n_samples(f64):
 
 
 def test_refusals_keep_the_engine_running(f64, caplog):
-    "Too long for max_model_len or for the whole pool: a clear ValueError before scheduling; the next request runs."
+    "Too long for max_model_len or the pool: a clear ValueError before scheduling; then all runs."
     path, hf = f64
     with caplog.at_level(logging.INFO, logger="petite_llm.engine"):
         llm = LLM(path, block_size=4, kv_cache_memory=_pool(path, 16, 4), max_model_len=128)
@@ -220,18 +242,22 @@ def test_refusals_keep_the_engine_running(f64, caplog):
 
 
 def test_step_abort_and_deltas(f64):
-    "step() streams deltas that add up to the final output; abort frees blocks and reports 'abort' on the next step."
+    "step() streams deltas that add up to the output; abort frees blocks, the next step reports it."
     path, hf = f64
     llm = LLM(path, block_size=4, kv_cache_memory=_pool(path, 64, 4))
     eng = llm.engine
-    keep = eng.add_request([11, 12, 13, 14, 15], SamplingParams(temperature=0, max_tokens=9), priority=1)
+    keep = eng.add_request([11, 12, 13, 14, 15], SamplingParams(temperature=0, max_tokens=9),
+                           priority=1)
     drop = eng.add_request(list(range(20, 50)), SamplingParams(temperature=0, max_tokens=9))
     deltas, final = [], {}
     while eng.has_unfinished_requests():
         for out in eng.step():
-            if out.request_id == keep: deltas += out.outputs[0].delta_token_ids
-            if out.finished: final[out.request_id] = out
-        if eng.stats.num_steps == 2: assert eng.abort(drop) and not eng.abort("no-such-request")
+            if out.request_id == keep:
+                deltas += out.outputs[0].delta_token_ids
+            if out.finished:
+                final[out.request_id] = out
+        if eng.stats.num_steps == 2:
+            assert eng.abort(drop) and not eng.abort("no-such-request")
     assert final[drop].finish_reason == "abort" and final[drop].finished
     assert deltas == final[keep].token_ids == hf_greedy(hf, [11, 12, 13, 14, 15], 9)
     m = final[keep].metrics
@@ -241,11 +267,12 @@ def test_step_abort_and_deltas(f64):
 
 
 def test_logprobs_match_transformers(f64):
-    "logprobs=k: the top-k of the raw distribution (plus the chosen token) at every step, as transformers computes it."
+    "logprobs=k: the raw top-k (and the chosen token) at every step, as transformers computes it."
     path, hf = f64
     llm = LLM(path, block_size=4, kv_cache_memory=_pool(path, 64, 4))
     p = [3, 1, 4, 1, 5, 9, 2, 6]
-    o = llm.generate([p], SamplingParams(temperature=0, max_tokens=5, logprobs=3), use_tqdm=False)[0]
+    o = llm.generate([p], SamplingParams(temperature=0, max_tokens=5, logprobs=3),
+                     use_tqdm=False)[0]
     lps = o.outputs[0].logprobs
     assert len(lps) == len(o.token_ids)
     with torch.inference_mode():
@@ -257,20 +284,25 @@ def test_logprobs_match_transformers(f64):
 
 
 def test_text_stop_strings_chat_and_stream(tmp_path):
-    "With a real Qwen3 tokenizer: text equals decode(tokens); stop strings cut text and finish; chat; stream; early close aborts."
+    "Real Qwen3 tokenizer: text == decode(tokens); stop strings; chat; stream; closing it aborts."
     qwen3_tokenizer = pytest.importorskip("qwen3_tokenizer")
-    try: qwen3_tokenizer.write_qwen3_tokenizer(tmp_path)
-    except Exception as e: pytest.skip(f"no offline Qwen3 tokenizer here: {e}")
-    _checkpoint(tmp_path, torch.float32, vocab_size=151936, hidden_size=32, intermediate_size=64, num_attention_heads=2,
-                num_key_value_heads=1, tie_word_embeddings=True, bos_token_id=151643, eos_token_id=151645, initializer_range=0.5)
+    try:
+        qwen3_tokenizer.write_qwen3_tokenizer(tmp_path)
+    except Exception as e:
+        pytest.skip(f"no offline Qwen3 tokenizer here: {e}")
+    _checkpoint(tmp_path, torch.float32, vocab_size=151936, hidden_size=32, intermediate_size=64,
+                num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True,
+                bos_token_id=151643, eos_token_id=151645, initializer_range=0.5)
     llm = LLM(tmp_path, block_size=8, kv_cache_memory=64 * 2**20)
     tok = llm.tokenizer
     sp = SamplingParams(temperature=0, max_tokens=24)
     out = llm.generate("Hello, world", sp, use_tqdm=False)[0]
-    assert out.prompt == "Hello, world" and out.prompt_token_ids == tok.encode("Hello, world", add_special_tokens=True)
+    assert out.prompt == "Hello, world"
+    assert out.prompt_token_ids == tok.encode("Hello, world", add_special_tokens=True)
     assert out.text == tok.decode(out.token_ids) and out.finish_reason in ("length", "stop")
     text = out.text
-    stop = next(text[i:i + 2] for i in range(len(text) // 2, len(text) - 1) if text[i:i + 2].strip() == text[i:i + 2])
+    stop = next(text[i:i + 2] for i in range(len(text) // 2, len(text) - 1)
+                if text[i:i + 2].strip() == text[i:i + 2])
     cut = llm.generate("Hello, world", replace(sp, stop=[stop]), use_tqdm=False)[0]
     assert cut.finish_reason == "stop" and cut.outputs[0].stop_reason == stop
     assert cut.text == text[:text.index(stop)] and len(cut.token_ids) <= len(out.token_ids)
@@ -287,51 +319,75 @@ def test_text_stop_strings_chat_and_stream(tmp_path):
 
 
 def test_default_kv_budget_is_logged(f64, caplog):
-    "Without kv_cache_memory the CPU budget comes from available memory (capped), is logged and readable."
+    "Without kv_cache_memory the CPU budget comes from available memory (capped), and is logged."
     path, hf = f64
     with caplog.at_level(logging.INFO, logger="petite_llm.engine"):
         llm = LLM(path, max_num_seqs=4)
     assert "available memory" in caplog.text
-    assert 0 < llm.kv_cache_memory <= 4 * 256 * kv_bytes_per_block(ModelConfig.from_pretrained(path), 1, torch.float64)
+    per_token = kv_bytes_per_block(ModelConfig.from_pretrained(path), 1, torch.float64)
+    assert 0 < llm.kv_cache_memory <= 4 * 256 * per_token
     _check_greedy(llm, hf, _prompts(0)[:4], _max_tokens(0)[:4])
 
 
-# ---------------------------------------------------------------- bfloat16 on a CPU: linear layers packed for oneDNN
+# --------------------------------------------- bfloat16 on a CPU: linear layers packed for oneDNN
 
-@pytest.mark.skipif(not packed_linear_available(torch.bfloat16), reason="this CPU's oneDNN has no bfloat16 kernels")
-@pytest.mark.parametrize("arch", ["qwen3", "qwen2"])   # Qwen3 with a tied lm_head; Qwen2 untied, with q/k/v biases
+@pytest.mark.skipif(not packed_linear_available(torch.bfloat16),
+                    reason="this CPU's oneDNN has no bfloat16 kernels")
+# Qwen3 with a tied lm_head; Qwen2 untied, with q/k/v biases
+@pytest.mark.parametrize("arch", ["qwen3", "qwen2"])
 def test_packed_bf16_engine_gives_the_same_bits(tmp_path, arch):
-    "An engine loaded from a bf16 folder packs every linear layer, and its logits and tokens are those of the plain model."
-    if arch == "qwen3": _checkpoint(tmp_path, torch.bfloat16, seed=3, tie_word_embeddings=True)
+    "A bf16 folder's engine packs every linear layer; its logits and tokens are the plain model's."
+    if arch == "qwen3":
+        _checkpoint(tmp_path, torch.bfloat16, seed=3, tie_word_embeddings=True)
     else:
         torch.manual_seed(3)
-        cfg = transformers.Qwen2Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                                       tie_word_embeddings=False, bos_token_id=1, eos_token_id=EOS, initializer_range=0.2)
+        cfg = transformers.Qwen2Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
+                                       num_hidden_layers=2, num_attention_heads=4,
+                                       num_key_value_heads=2, max_position_embeddings=256,
+                                       tie_word_embeddings=False, bos_token_id=1, eos_token_id=EOS,
+                                       initializer_range=0.2)
         model = transformers.Qwen2ForCausalLM(cfg)
         with torch.no_grad():
             for m in model.modules():
-                if isinstance(m, torch.nn.Linear) and m.bias is not None: m.bias.normal_(0, 0.2)   # biases start at 0: make them count
+                if isinstance(m, torch.nn.Linear) and m.bias is not None:
+                    m.bias.normal_(0, 0.2)   # biases start at 0: make them count
         model.to(torch.bfloat16).save_pretrained(tmp_path)
     llm = LLM(str(tmp_path), kv_cache_memory=1 << 20, max_num_batched_tokens=16)
     packed, plain = llm.engine.model, load_model(tmp_path)
     n_linear = sum(isinstance(m, torch.nn.Linear) for m in plain.modules())
-    assert n_linear == 4 * 2 + 1 and sum(isinstance(m, PackedLinear) for m in packed.modules()) == n_linear
+    assert n_linear == 4 * 2 + 1
+    assert sum(isinstance(m, PackedLinear) for m in packed.modules()) == n_linear
     assert not any(isinstance(m, torch.nn.Linear) for m in packed.modules())
     prompts = _prompts(seed=4)[:6]
     with torch.inference_mode():
         for p in prompts:
             ids = torch.tensor(p)
-            assert torch.equal(packed(ids, torch.arange(len(p))), plain(ids, torch.arange(len(p))))   # every position's logits
+            positions = torch.arange(len(p))
+            # every position's logits
+            assert torch.equal(packed(ids, positions), plain(ids, positions))
     sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=3)
-    plain_llm = LLM(plain, kv_cache_memory=1 << 20, max_num_batched_tokens=16)            # a model passed in is not packed
+    # a model passed in is not packed
+    plain_llm = LLM(plain, kv_cache_memory=1 << 20, max_num_batched_tokens=16)
     assert not any(isinstance(m, PackedLinear) for m in plain_llm.engine.model.modules())
-    for a, b in zip(llm.generate(prompts, sp, use_tqdm=False), plain_llm.generate(prompts, sp, use_tqdm=False)):
+    for a, b in zip(llm.generate(prompts, sp, use_tqdm=False),
+                    plain_llm.generate(prompts, sp, use_tqdm=False)):
         assert a.token_ids == b.token_ids and a.outputs[0].logprobs == b.outputs[0].logprobs
 
 
 def test_only_bf16_is_packed(f32):
-    "float32 and float64 keep F.linear: packing would change their last bits (fp32) or has no kernel (fp64)."
+    "float32 and float64 keep F.linear: packing would change fp32's last bits; fp64 has no kernel."
     for dtype in (torch.float32, torch.float64):
         model = load_model(f32[0], dtype=dtype)
-        assert prepack_linears(model) == 0 and not any(isinstance(m, PackedLinear) for m in model.modules())
+        assert prepack_linears(model) == 0
+        assert not any(isinstance(m, PackedLinear) for m in model.modules())
+
+
+def test_dtype_names_come_from_the_one_table(f32):
+    "dtype= takes any spelling of petite_llm.config's table; None and 'auto' keep the checkpoint's."
+    path = f32[0]
+    for dtype, want in [('FP64', torch.float64), ('torch.float64', torch.float64),
+                        ('auto', torch.float32), (None, torch.float32)]:
+        llm = LLM(path, dtype=dtype, kv_cache_memory=1 << 20)
+        assert next(llm.engine.model.parameters()).dtype == want
+    with pytest.raises(ValueError, match="unknown dtype 'int3'"):
+        LLM(path, dtype='int3')
