@@ -13,7 +13,7 @@ from .paging import BlockManager, cdiv
 from .sampling import SamplingParams
 
 # %% auto #0
-__all__ = ['SequenceStatus', 'Sequence', 'SchedulerOutput', 'Scheduler', 'FakeModel']
+__all__ = ['SequenceStatus', 'Sequence', 'SchedulerOutput', 'SchedulerStats', 'Scheduler', 'FakeModel']
 
 # %% ../nbs/12_scheduler.ipynb #a0b38027
 class SequenceStatus(Enum):
@@ -106,6 +106,22 @@ class SchedulerOutput:
 
     def __len__(self):
         return len(self.seqs)
+
+@dataclass
+class SchedulerStats:
+    "What the scheduler holds between two steps: its queues, the KV pool, cache hits, preemptions."
+    num_waiting: int
+    num_running: int
+    kv_blocks_used: int
+    kv_blocks_total: int
+    # prompt tokens found in the prefix cache / prompt tokens looked up
+    prefix_cache_hit_rate: float
+    num_preemptions: int
+
+    @property
+    def kv_cache_usage(self) -> float:
+        "Fraction of the KV blocks in use."
+        return self.kv_blocks_used / max(self.kv_blocks_total, 1)
 
 # %% ../nbs/12_scheduler.ipynb #8ffc8dde
 class Scheduler:
@@ -293,12 +309,13 @@ class Scheduler:
         return self.finish(seq_id, 'abort')
 
     @property
-    def stats(self) -> dict:
-        "Counters for logs and the engine: queues, KV blocks in use, prefix hit rate, preemptions."
+    def stats(self) -> SchedulerStats:
+        "The counters now: queues, KV blocks in use, prefix-cache hit rate, preemptions."
         bm = self.block_manager
-        return dict(num_waiting=len(self.waiting), num_running=len(self.running),
-                    kv_blocks_used=bm.num_used_blocks, kv_blocks_total=bm.num_blocks,
-                    prefix_hit_rate=bm.prefix_hit_rate, num_preemptions=self.num_preemptions)
+        return SchedulerStats(num_waiting=len(self.waiting), num_running=len(self.running),
+                              kv_blocks_used=bm.num_used_blocks, kv_blocks_total=bm.num_blocks,
+                              prefix_cache_hit_rate=bm.prefix_hit_rate,
+                              num_preemptions=self.num_preemptions)
 
 # %% ../nbs/12_scheduler.ipynb #34db459c
 class FakeModel:
