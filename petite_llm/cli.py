@@ -98,20 +98,15 @@ def _as_result(out) -> GenerationResult:
                             list(out.prompt_token_ids), completion.stop_reason, completion.logprobs,
                             metrics.time_to_first_token or 0.0, end - metrics.arrival_time)
 
-def engine_steps(engine, prompt, params: SamplingParams, priority: int = 0):
-    "Add a request to an LLMEngine and step it to the end, yielding text deltas; return its result."
-    request_id, last = engine.add_request(prompt, params, priority), None
+def engine_steps(llm, prompt, params: SamplingParams, priority: int = 0):
+    "Stream one prompt through the engine (LLM.stream_outputs), yielding text; return its result."
+    outputs, last = llm.stream_outputs(prompt, params, priority), None
     try:
-        while last is None or not last.finished:
-            for out in engine.step():
-                if out.request_id != request_id:
-                    continue
-                last = out
-                if out.outputs[0].delta_text:
-                    yield out.outputs[0].delta_text
+        for last in outputs:
+            if last.outputs[0].delta_text:
+                yield last.outputs[0].delta_text
     finally:
-        if last is None or not last.finished:
-            engine.abort(request_id)     # the caller stopped listening
+        outputs.close()                  # the caller stopped listening: the request is aborted
     return _as_result(last)
 
 # %% ../nbs/90_cli.ipynb #96d404de
@@ -146,7 +141,7 @@ class Runner:
         from petite_llm.generate import GenerationStream, stream_generate
         if self.llm is None:
             return stream_generate(self.model, self.tokenizer, prompt, params)
-        return GenerationStream(engine_steps(self.llm.engine, prompt, params, priority))
+        return GenerationStream(engine_steps(self.llm, prompt, params, priority))
 
     def generate(self, prompts: list, params: SamplingParams,
                  priorities: list[int] | None = None) -> list[GenerationResult]:

@@ -11,6 +11,7 @@ import os
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Iterator
 
 import torch
 from torch import nn
@@ -20,7 +21,7 @@ from .config import parse_dtype
 from .paging import (AttentionMetadata, BlockManager, TorchAttentionBackend,
                                allocate_kv_cache, kv_bytes_per_block, num_kv_blocks)
 from .sampling import Sampler, SamplingParams
-from .scheduler import Scheduler, SchedulerOutput, Sequence
+from .scheduler import Scheduler, SchedulerOutput, SchedulerStats, Sequence
 from .tokenizer import IncrementalDetokenizer, Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -28,7 +29,7 @@ logger = logging.getLogger(__name__)
 # %% auto #0
 __all__ = ['logger', 'CPU_KV_FRACTION', 'CPU_KV_CAP', 'ModelRunnerOutput', 'ModelRunner', 'packed_linear_available',
            'PackedLinear', 'prepack_linears', 'CompletionOutput', 'RequestMetrics', 'RequestOutput',
-           'default_kv_cache_memory', 'LLMEngine', 'EngineStats', 'LLM']
+           'default_kv_cache_memory', 'OutputProcessor', 'EngineStats', 'LLMEngine', 'merge_outputs', 'LLM']
 
 # %% ../nbs/14_engine.ipynb #f0c44ed1
 @dataclass
@@ -271,6 +272,122 @@ def _read_generation_config(path) -> dict:
     file = Path(path) / 'generation_config.json'
     return json.loads(file.read_text()) if file.is_file() else {}
 
+# %% ../nbs/14_engine.ipynb #0a101247
+class OutputProcessor:
+    "The requests' side of the engine: completions, detokenizers and timings, turned into outputs."
+    def __init__(self, tokenizer: Tokenizer | None, scheduler: Scheduler):
+        self.tokenizer, self.scheduler = tokenizer, scheduler
+        self.requests: dict[str, _Request] = {}
+        # seq id -> (its request, completion index)
+        self._seq_owner: dict[int, tuple[_Request, int]] = {}
+        self._aborted: list[RequestOutput] = []         # reported by the next process()
+
+    def add_request(self, request_id: str, prompt: str | list[int], prompt_token_ids: list[int],
+                    seqs: list[Sequence], params: SamplingParams):
+        "Start the bookkeeping of a request whose sequences (one per sample) are scheduled."
+        detoks = [self._new_detokenizer(params) for _ in seqs]
+        completions = [CompletionOutput(i, logprobs=[] if params.logprobs is not None else None)
+                       for i in range(len(seqs))]
+        req = _Request(request_id, prompt if isinstance(prompt, str) else None, prompt_token_ids,
+                       [seq.seq_id for seq in seqs], detoks, completions,
+                       RequestMetrics(time.perf_counter()))
+        self.requests[request_id] = req
+        for index, seq in enumerate(seqs):
+            self._seq_owner[seq.seq_id] = (req, index)
+
+    def _new_detokenizer(self, params: SamplingParams) -> IncrementalDetokenizer | None:
+        "A fresh IncrementalDetokenizer for one sequence (None without a tokenizer)."
+        if self.tokenizer is None:
+            return None
+        return IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens, params.stop)
+
+    def abort_request(self, request_id: str, report: bool = True) -> list[int] | None:
+        "Mark a request aborted (reported next, if `report`); its sequence ids (None if unknown)."
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return None
+        for seq_id, completion in zip(req.seq_ids, req.completions):
+            self._seq_owner.pop(seq_id, None)
+            if not completion.finished:
+                completion.finish_reason = 'abort'
+        req.metrics.finished_time = time.perf_counter()
+        if report:
+            self._aborted.append(req.output())
+        return req.seq_ids
+
+    def has_unfinished_requests(self) -> bool:
+        "True while a request is queued or running, or an abort is still to be reported."
+        return bool(self.requests) or bool(self._aborted)
+
+    def process(self, seqs: list[Sequence], token_ids: list[int],
+                logprobs: list[dict[int, float] | None]) -> list[RequestOutput]:
+        "Add one step's sampled tokens to their completions; one output per request touched."
+        outputs, self._aborted = self._aborted, []
+        now = time.perf_counter()
+        touched = {}    # request id -> request, for every request that got a token this step
+        for seq, token_id, token_logprobs in zip(seqs, token_ids, logprobs):
+            req, index = self._seq_owner[seq.seq_id]
+            self._add_token(seq, req, index, token_id, token_logprobs, now)
+            touched[req.request_id] = req
+        for req in touched.values():
+            out = req.output()
+            if out.finished:
+                req.metrics.finished_time = out.metrics.finished_time = now
+                del self.requests[req.request_id]
+            outputs.append(out)
+        return outputs
+
+    def _add_token(self, seq: Sequence, req: _Request, index: int, token_id: int,
+                   token_logprobs: dict[int, float] | None, now: float):
+        "One sampled token into completion `index` of `req`: ids, logprobs, timings, text."
+        completion, detok, metrics = req.completions[index], req.detoks[index], req.metrics
+        completion.token_ids.append(token_id)
+        completion.delta_token_ids.append(token_id)
+        if completion.logprobs is not None:
+            completion.logprobs.append(token_logprobs)
+        if metrics.first_token_time is None:
+            metrics.first_token_time = now
+        metrics.last_token_time = now
+        metrics.num_output_tokens += 1
+        if detok is not None:
+            if seq.is_finished and seq.stop_reason == token_id:
+                new_text = ''                    # a stop token is not text
+            else:
+                new_text = detok.add(token_id)
+            if detok.stopped is not None and not seq.is_finished:
+                # a stop string ends the sequence here, and frees its blocks at once
+                self.scheduler.finish(seq.seq_id, 'stop', detok.stopped)
+            if seq.is_finished:
+                new_text += detok.finish()
+            completion.text += new_text
+            completion.delta_text += new_text
+        if seq.is_finished:
+            completion.finish_reason, completion.stop_reason = seq.finish_reason, seq.stop_reason
+            del self._seq_owner[seq.seq_id]
+
+# %% ../nbs/14_engine.ipynb #cebd0769
+@dataclass
+class EngineStats(SchedulerStats):
+    "The scheduler's counters (chapter 12) and the engine's own: steps, tokens, busy time."
+    num_steps: int
+    num_prompt_tokens: int          # prompt (and recomputed) tokens run through the model
+    num_generated_tokens: int
+    busy_seconds: float             # time spent inside step()
+
+    @property
+    def generation_tokens_per_s(self) -> float:
+        "Generated tokens per busy second."
+        if not self.busy_seconds:
+            return 0.0
+        return self.num_generated_tokens / self.busy_seconds
+
+    @property
+    def tokens_per_s(self) -> float:
+        "All tokens through the model (prompt + generated) per busy second."
+        if not self.busy_seconds:
+            return 0.0
+        return (self.num_prompt_tokens + self.num_generated_tokens) / self.busy_seconds
+
 # %% ../nbs/14_engine.ipynb #71ba17f3
 class LLMEngine:
     "Requests in, outputs out, one step at a time: schedule → run the model → sample → detokenize."
@@ -322,13 +439,15 @@ class LLMEngine:
         logger.info("KV cache: %d blocks of %d tokens = %d tokens, %.1f MiB (%s); max_model_len=%d",
                     num_blocks, block_size, num_blocks * block_size, self.kv_cache_memory / 2**20,
                     source, max_model_len)
-        self.requests: dict[str, _Request] = {}
-        # seq id -> (its request, completion index)
-        self._seq_owner: dict[int, tuple[_Request, int]] = {}
+        self.output_processor = OutputProcessor(tokenizer, self.scheduler)
         self._request_ids, self._seq_ids = itertools.count(), itertools.count()
-        self._aborted: list[RequestOutput] = []         # reported by the next step()
         self._steps = self._prompt_tokens = self._generated_tokens = 0
         self._busy = 0.0
+
+    @property
+    def requests(self) -> dict[str, _Request]:
+        "The requests queued or running, by id."
+        return self.output_processor.requests
 
     @classmethod
     def from_pretrained(cls, model, dtype=None, device=None, tokenizer=None, **kwargs) -> LLMEngine:
@@ -374,128 +493,79 @@ class LLMEngine:
                              "(the vocabulary size)")
         return ids
 
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+                    priority: int = 0, request_id: str | None = None) -> str:
+        "Queue a prompt (text or token ids); return its request id. ValueError if it can never run."
+        if params is None:
+            params = self.default_sampling_params()
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer; use stop_token_ids instead")
+        if request_id is None:
+            request_id = next(self._request_ids)
+        request_id = str(request_id)
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        ids = self.encode(prompt)
+        # n samples: n sequences of one group, each with its own seed (SamplingParams.for_sample)
+        seqs = []
+        for i in range(params.n):
+            sample_params = params.for_sample(i) if params.n > 1 else params
+            group_id = seqs[0].seq_id if seqs else None
+            seqs.append(Sequence(next(self._seq_ids), ids, sample_params, priority,
+                                 group_id=group_id))
+        try:
+            for seq in seqs:
+                self.scheduler.add(seq)
+        except ValueError as e:
+            for seq in seqs:
+                self.scheduler.abort(seq.seq_id)
+            message = str(e).replace(f'request {seqs[0].seq_id}:', f'request {request_id!r}:')
+            raise ValueError(message) from None
+        self.output_processor.add_request(request_id, prompt, ids, seqs, params)
+        return request_id
+
+    def abort(self, request_id: str, report: bool = True) -> bool:
+        "Cancel a request, freeing its blocks; the next step() reports it. False if unknown."
+        seq_ids = self.output_processor.abort_request(str(request_id), report)
+        if seq_ids is None:
+            return False
+        for seq_id in seq_ids:
+            self.scheduler.abort(seq_id)
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        "True while a request is queued or running, or an abort is still to be reported."
+        return self.output_processor.has_unfinished_requests()
+
+    def step(self) -> list[RequestOutput]:
+        "One forward pass; an output for each request that got tokens, finished or was aborted."
+        if not self.scheduler.has_unfinished_requests():
+            return self.output_processor.process([], [], [])
+        start = time.perf_counter()
+        scheduled = self.scheduler.schedule()
+        if len(scheduled) == 0:
+            return self.output_processor.process([], [], [])
+        result = self.runner.run(scheduled)
+        self.scheduler.update(scheduled, result.token_ids)
+        outputs = self.output_processor.process(result.seqs, result.token_ids, result.logprobs)
+        self._steps += 1
+        self._prompt_tokens += _num_prompt_tokens(scheduled)
+        self._generated_tokens += len(result.token_ids)
+        self._busy += time.perf_counter() - start
+        return outputs
+
+    @property
+    def stats(self) -> EngineStats:
+        "The engine's counters now: the scheduler's, and the steps and tokens run so far."
+        return EngineStats(**vars(self.scheduler.stats),
+                           num_steps=self._steps,
+                           num_prompt_tokens=self._prompt_tokens,
+                           num_generated_tokens=self._generated_tokens,
+                           busy_seconds=self._busy)
+
 def _is_token_id(t, vocab_size: int) -> bool:
     "True for an int (not a bool) in [0, vocab_size)."
     return isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size
-
-# %% ../nbs/14_engine.ipynb #6eb4a4ca
-def _add_request(self: LLMEngine, prompt: str | list[int], params: SamplingParams | None = None,
-                 priority: int = 0, request_id: str | None = None) -> str:
-    "Queue a prompt (text or token ids); return its request id. ValueError if it can never run."
-    if params is None:
-        params = self.default_sampling_params()
-    if params.stop and self.tokenizer is None:
-        raise ValueError("stop strings need a tokenizer; use stop_token_ids instead")
-    if request_id is None:
-        request_id = next(self._request_ids)
-    request_id = str(request_id)
-    if request_id in self.requests:
-        raise ValueError(f"request id {request_id!r} is already in use")
-    ids = self.encode(prompt)
-    # n samples: n sequences of one group, each with its own seed (SamplingParams.for_sample)
-    seqs = []
-    for i in range(params.n):
-        sample_params = params.for_sample(i) if params.n > 1 else params
-        group_id = seqs[0].seq_id if seqs else None
-        seqs.append(Sequence(next(self._seq_ids), ids, sample_params, priority, group_id=group_id))
-    try:
-        for seq in seqs:
-            self.scheduler.add(seq)
-    except ValueError as e:
-        for seq in seqs:
-            self.scheduler.abort(seq.seq_id)
-        message = str(e).replace(f'request {seqs[0].seq_id}:', f'request {request_id!r}:')
-        raise ValueError(message) from None
-    detoks = [_new_detokenizer(self.tokenizer, params) for _ in seqs]
-    completions = [CompletionOutput(i, logprobs=[] if params.logprobs is not None else None)
-                   for i in range(params.n)]
-    req = _Request(request_id, prompt if isinstance(prompt, str) else None, ids,
-                   [seq.seq_id for seq in seqs], detoks, completions,
-                   RequestMetrics(time.perf_counter()))
-    self.requests[request_id] = req
-    for i, seq in enumerate(seqs):
-        self._seq_owner[seq.seq_id] = (req, i)
-    return request_id
-
-def _new_detokenizer(tokenizer: Tokenizer | None, params: SamplingParams):
-    "A fresh IncrementalDetokenizer for one sequence (None without a tokenizer)."
-    if tokenizer is None:
-        return None
-    return IncrementalDetokenizer(tokenizer, params.skip_special_tokens, params.stop)
-
-def _abort(self: LLMEngine, request_id: str) -> bool:
-    "Cancel a request and free its blocks; the next step() reports it as 'abort'. False if unknown."
-    req = self.requests.pop(str(request_id), None)
-    if req is None:
-        return False
-    for seq_id, completion in zip(req.seq_ids, req.completions):
-        self.scheduler.abort(seq_id)
-        self._seq_owner.pop(seq_id, None)
-        if not completion.finished:
-            completion.finish_reason = 'abort'
-    req.metrics.finished_time = time.perf_counter()
-    self._aborted.append(req.output())
-    return True
-
-def _has_unfinished_requests(self: LLMEngine) -> bool:
-    "True while a request is queued or running, or an abort is still to be reported."
-    return bool(self.requests) or bool(self._aborted)
-
-LLMEngine.add_request, LLMEngine.abort = _add_request, _abort
-LLMEngine.has_unfinished_requests = _has_unfinished_requests
-
-# %% ../nbs/14_engine.ipynb #deb6b81e
-def _step(self: LLMEngine) -> list[RequestOutput]:
-    "Run one forward pass; return an output per request that got tokens, finished or was aborted."
-    outputs, self._aborted = self._aborted, []
-    if not self.scheduler.has_unfinished_requests():
-        return outputs
-    start = time.perf_counter()
-    scheduled = self.scheduler.schedule()
-    if len(scheduled) == 0:
-        return outputs
-    result = self.runner.run(scheduled)
-    self.scheduler.update(scheduled, result.token_ids)
-    now = time.perf_counter()
-    touched = {}    # request id -> request, for every request that got a token this step
-    for seq, token_id, logprobs in zip(result.seqs, result.token_ids, result.logprobs):
-        req, index = self._seq_owner[seq.seq_id]
-        completion, detok, metrics = req.completions[index], req.detoks[index], req.metrics
-        completion.token_ids.append(token_id)
-        completion.delta_token_ids.append(token_id)
-        if completion.logprobs is not None:
-            completion.logprobs.append(logprobs)
-        if metrics.first_token_time is None:
-            metrics.first_token_time = now
-        metrics.last_token_time = now
-        metrics.num_output_tokens += 1
-        if detok is not None:
-            if seq.is_finished and seq.stop_reason == token_id:
-                new_text = ''                    # a stop token is not text
-            else:
-                new_text = detok.add(token_id)
-            if detok.stopped is not None and not seq.is_finished:
-                # a stop string ends the sequence here
-                self.scheduler.finish(seq.seq_id, 'stop', detok.stopped)
-            if seq.is_finished:
-                new_text += detok.finish()
-            completion.text += new_text
-            completion.delta_text += new_text
-        if seq.is_finished:
-            completion.finish_reason, completion.stop_reason = seq.finish_reason, seq.stop_reason
-            del self._seq_owner[seq.seq_id]
-        touched[req.request_id] = req
-    for req in touched.values():
-        out = req.output()
-        if out.finished:
-            req.metrics.finished_time = out.metrics.finished_time = now
-            del self.requests[req.request_id]
-        outputs.append(out)
-    self._steps += 1
-    self._prompt_tokens += _num_prompt_tokens(scheduled)
-    self._generated_tokens += len(result.token_ids)
-    self._busy += time.perf_counter() - start
-    return outputs
 
 def _num_prompt_tokens(scheduled: SchedulerOutput) -> int:
     "Tokens that are not decodes: prompt chunks, and prompts recomputed after preemption."
@@ -507,59 +577,6 @@ def _num_prompt_tokens(scheduled: SchedulerOutput) -> int:
             total += num_new
     return total
 
-LLMEngine.step = _step
-
-# %% ../nbs/14_engine.ipynb #cebd0769
-@dataclass
-class EngineStats:
-    "A snapshot of the engine's counters."
-    num_waiting: int
-    num_running: int
-    kv_blocks_used: int
-    kv_blocks_total: int
-    # prompt tokens found in the prefix cache / prompt tokens looked up
-    prefix_cache_hit_rate: float
-    num_preemptions: int
-    num_steps: int
-    num_prompt_tokens: int          # prompt (and recomputed) tokens run through the model
-    num_generated_tokens: int
-    busy_seconds: float             # time spent inside step()
-
-    @property
-    def kv_cache_usage(self) -> float:
-        "Fraction of the KV blocks in use."
-        return self.kv_blocks_used / max(self.kv_blocks_total, 1)
-
-    @property
-    def generation_tokens_per_s(self) -> float:
-        "Generated tokens per busy second."
-        if not self.busy_seconds:
-            return 0.0
-        return self.num_generated_tokens / self.busy_seconds
-
-    @property
-    def tokens_per_s(self) -> float:
-        "All tokens through the model (prompt + generated) per busy second."
-        if not self.busy_seconds:
-            return 0.0
-        return (self.num_prompt_tokens + self.num_generated_tokens) / self.busy_seconds
-
-def _stats(self: LLMEngine) -> EngineStats:
-    "The engine's counters now."
-    blocks, scheduler = self.block_manager, self.scheduler
-    return EngineStats(num_waiting=len(scheduler.waiting),
-                       num_running=len(scheduler.running),
-                       kv_blocks_used=blocks.num_used_blocks,
-                       kv_blocks_total=blocks.num_blocks,
-                       prefix_cache_hit_rate=blocks.prefix_hit_rate,
-                       num_preemptions=scheduler.num_preemptions,
-                       num_steps=self._steps,
-                       num_prompt_tokens=self._prompt_tokens,
-                       num_generated_tokens=self._generated_tokens,
-                       busy_seconds=self._busy)
-
-LLMEngine.stats = property(_stats)
-
 # %% ../nbs/14_engine.ipynb #dd9ab168
 def _is_token_ids(p) -> bool:
     "True for one prompt given as token ids (a non-empty list of ints)."
@@ -569,6 +586,13 @@ def _is_token_ids(p) -> bool:
 def _is_conversation(m) -> bool:
     "True for one conversation (a non-empty list of message dicts)."
     return isinstance(m, (list, tuple)) and len(m) > 0 and all(isinstance(x, dict) for x in m)
+
+def merge_outputs(older: RequestOutput, newer: RequestOutput) -> RequestOutput:
+    "Two outputs of one request as one: the newer state, with the deltas of both steps."
+    for old, new in zip(older.outputs, newer.outputs):
+        new.delta_text = old.delta_text + new.delta_text
+        new.delta_token_ids = old.delta_token_ids + new.delta_token_ids
+    return newer
 
 class LLM:
     "Offline inference in one object: load a model once, then `generate`, `chat` or `stream`."
@@ -582,6 +606,8 @@ class LLM:
             kv_cache_memory=kv_cache_memory, gpu_memory_utilization=gpu_memory_utilization,
             max_model_len=max_model_len, max_num_batched_tokens=max_num_batched_tokens,
             max_num_seqs=max_num_seqs, enable_prefix_caching=enable_prefix_caching)
+        # request id -> what it gained since its consumer last looked (None: nothing yet)
+        self._unread: dict[str, RequestOutput | None] = {}
 
     tokenizer = property(lambda self: self.engine.tokenizer,
                          doc="The model's Tokenizer (None for a folder without one).")
@@ -608,34 +634,62 @@ class LLM:
         ids = []
         try:
             for prompt, sp, prio in zip(prompts, params, priority):
-                ids.append(self.engine.add_request(prompt, sp, prio))
+                ids.append(self._add_request(prompt, sp, prio))
         except Exception:
-            # all or nothing: none of this call's requests stays queued
+            # all or nothing: none of this call's requests stays queued, nor is reported
             for request_id in ids:
-                self.engine.abort(request_id)
-            self.engine._aborted = [o for o in self.engine._aborted if o.request_id not in ids]
+                self._unread.pop(request_id)
+                self.engine.abort(request_id, report=False)
             raise
         return self._run(ids, use_tqdm)
 
+    def _add_request(self, prompt, params: SamplingParams | None, priority: int) -> str:
+        "Queue a request in the engine and open its output slot; its id."
+        request_id = self.engine.add_request(prompt, params, priority)
+        self._unread[request_id] = None
+        return request_id
+
+    def _step(self):
+        "One engine step; each output goes to its own request's slot, merged with what is unread."
+        for out in self.engine.step():
+            if out.request_id not in self._unread:
+                continue              # not one of ours (added to the engine directly)
+            older = self._unread[out.request_id]
+            self._unread[out.request_id] = out if older is None else merge_outputs(older, out)
+
+    def _take(self, request_id: str) -> RequestOutput | None:
+        "What the request gained since it was last taken (None if nothing); a finished one is done."
+        out, self._unread[request_id] = self._unread[request_id], None
+        if out is not None and out.finished:
+            del self._unread[request_id]
+        return out
+
+    def _release(self, request_id: str):
+        "Stop following a request: drop its slot, abort it if it is still running."
+        self._unread.pop(request_id, None)
+        self.engine.abort(request_id)
+
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
-        "Step the engine until every request in `ids` has finished."
-        results, pending = {}, set(ids)
+        "Step the engine until every request in `ids` has finished; their final outputs in order."
+        results = {}
         bar = tqdm(total=len(ids), desc='Generating', unit='req', disable=not use_tqdm,
                    dynamic_ncols=True)
         try:
-            while pending:
-                for out in self.engine.step():
-                    if out.finished and out.request_id in pending:
-                        results[out.request_id] = out
-                        pending.discard(out.request_id)
+            while len(results) < len(ids):
+                self._step()
+                for request_id in ids:
+                    out = self._unread.get(request_id)
+                    if out is not None and out.finished:
+                        results[request_id] = self._take(request_id)
                         bar.update(1)
                 if use_tqdm:
                     tok_s = self.engine.stats.generation_tokens_per_s
                     bar.set_postfix_str(f'{tok_s:.1f} tok/s', refresh=False)
         except BaseException:
             # Ctrl-C: leave nothing running
-            for request_id in pending:
-                self.engine.abort(request_id)
+            for request_id in ids:
+                if request_id not in results:
+                    self._release(request_id)
             raise
         finally:
             bar.close()
@@ -661,27 +715,39 @@ class LLM:
         prompts = [self._chat_ids(c, chat_template_kwargs, enable_thinking, tools) for c in convs]
         return self.generate(prompts, sampling_params, priority, use_tqdm)
 
+    def stream_outputs(self, prompt, sampling_params=None, priority: int = 0,
+                       chat_template_kwargs: dict | None = None,
+                       enable_thinking: bool | None = None) -> Iterator[RequestOutput]:
+        "Yield one request's outputs as they come, each with what is new; stopping aborts it."
+        if _is_conversation(prompt):
+            prompt = self._chat_ids(prompt, chat_template_kwargs, enable_thinking)
+        request_id, done = self._add_request(prompt, sampling_params, priority), False
+        try:
+            while not done:
+                out = self._take(request_id)
+                if out is None:
+                    self._step()
+                    continue
+                done = out.finished
+                yield out
+        finally:
+            if not done:
+                # the caller stopped listening (break, Ctrl-C, close)
+                self._release(request_id)
+
     def stream(self, prompt, sampling_params=None, priority: int = 0,
                chat_template_kwargs: dict | None = None, enable_thinking: bool | None = None):
         "Yield the text of a prompt (text, ids or a conversation) as it comes; stopping aborts it."
-        if _is_conversation(prompt):
-            prompt = self._chat_ids(prompt, chat_template_kwargs, enable_thinking)
         sp = sampling_params
         if sp is None:
             sp = self.engine.default_sampling_params()
         if sp.n != 1:
             raise ValueError(f"stream() follows one completion; got n={sp.n}: "
                              "use generate() for n > 1")
-        request_id, done = self.engine.add_request(prompt, sp, priority), False
+        outputs = self.stream_outputs(prompt, sp, priority, chat_template_kwargs, enable_thinking)
         try:
-            while not done:
-                for out in self.engine.step():
-                    if out.request_id != request_id:
-                        continue
-                    if out.outputs[0].delta_text:
-                        yield out.outputs[0].delta_text
-                    done = out.finished
+            for out in outputs:
+                if out.outputs[0].delta_text:
+                    yield out.outputs[0].delta_text
         finally:
-            if not done:
-                # the caller stopped listening (break, Ctrl-C, close)
-                self.engine.abort(request_id)
+            outputs.close()      # aborts the request if it is still running

@@ -19,6 +19,7 @@ from petite_llm.config import ModelConfig
 from petite_llm.engine import LLM, PackedLinear, packed_linear_available, prepack_linears
 from petite_llm.paging import kv_bytes_per_block
 from petite_llm.sampling import SamplingParams
+from petite_llm.scheduler import SchedulerStats
 from petite_llm.weights import load_model
 
 VOCAB, EOS = 300, 2
@@ -283,17 +284,24 @@ def test_logprobs_match_transformers(f64):
         assert max(abs(d[i] - want[step, i].item()) for i in d) < 1e-5
 
 
-def test_text_stop_strings_chat_and_stream(tmp_path):
-    "Real Qwen3 tokenizer: text == decode(tokens); stop strings; chat; stream; closing it aborts."
+@pytest.fixture(scope="module")
+def qwen3_text(tmp_path_factory):
+    "A random-weight Qwen3 (float64) with the real Qwen3 tokenizer, so that outputs carry text."
     qwen3_tokenizer = pytest.importorskip("qwen3_tokenizer")
+    path = tmp_path_factory.mktemp("qwen3_text")
     try:
-        qwen3_tokenizer.write_qwen3_tokenizer(tmp_path)
+        qwen3_tokenizer.write_qwen3_tokenizer(path)
     except Exception as e:
         pytest.skip(f"no offline Qwen3 tokenizer here: {e}")
-    _checkpoint(tmp_path, torch.float32, vocab_size=151936, hidden_size=32, intermediate_size=64,
+    _checkpoint(path, torch.float64, vocab_size=151936, hidden_size=32, intermediate_size=64,
                 num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True,
                 bos_token_id=151643, eos_token_id=151645, initializer_range=0.5)
-    llm = LLM(tmp_path, block_size=8, kv_cache_memory=64 * 2**20)
+    return LLM(path, block_size=8, kv_cache_memory=64 * 2**20)
+
+
+def test_text_stop_strings_chat_and_stream(qwen3_text):
+    "Real Qwen3 tokenizer: text == decode(tokens); stop strings; chat; stream; closing it aborts."
+    llm = qwen3_text
     tok = llm.tokenizer
     sp = SamplingParams(temperature=0, max_tokens=24)
     out = llm.generate("Hello, world", sp, use_tqdm=False)[0]
@@ -316,6 +324,69 @@ def test_text_stop_strings_chat_and_stream(tmp_path):
     next(iter(it), None)
     it.close()   # the caller stops listening: the request is aborted and its blocks freed
     assert not llm.engine.requests and llm.stats.kv_blocks_used == 0
+
+
+def _read_in_turn(streams, max_rounds=500):
+    "Read one piece from each live stream in turn until all end (bounded); the texts, rounds used."
+    texts, live = [''] * len(streams), list(range(len(streams)))
+    for rounds in range(max_rounds):
+        if not live:
+            return texts, rounds
+        for i in list(live):
+            piece = next(streams[i], None)
+            if piece is None:
+                live.remove(i)
+            else:
+                texts[i] += piece
+    raise AssertionError(f"streams {live} still running after {max_rounds} rounds")
+
+
+def test_streams_read_in_turn_each_get_their_own_text(qwen3_text):
+    "Two streams read alternately both finish, each with the text its prompt gets alone."
+    llm = qwen3_text
+    sp = SamplingParams(temperature=0, max_tokens=16)
+    prompts = ["Hello, world", "The sea is", "One, two, three,"]
+    alone = [llm.generate(p, sp, use_tqdm=False)[0].text for p in prompts]
+    texts, _ = _read_in_turn([llm.stream(p, sp) for p in prompts])
+    assert texts == alone
+    assert not llm.engine.requests and llm.stats.kv_blocks_used == 0
+
+
+def test_a_stream_left_waiting_during_generate_keeps_its_text(qwen3_text):
+    "generate() steps the engine for its own batch; a paused stream's tokens wait for it, merged."
+    llm = qwen3_text
+    sp = SamplingParams(temperature=0, max_tokens=16)
+    alone = llm.generate(["Hello, world", "The sea is"], sp, use_tqdm=False)
+    waiting = llm.stream("Hello, world", sp)
+    head = next(waiting)
+    during = llm.generate("The sea is", sp, use_tqdm=False)[0]
+    assert during.text == alone[1].text
+    assert head + "".join(waiting) == alone[0].text
+    assert not llm.engine.requests and llm.stats.kv_blocks_used == 0
+
+
+def test_the_package_root_offers_the_api():
+    "`from petite_llm import LLM, SamplingParams` works, as vLLM users type it."
+    import petite_llm
+    from petite_llm import LLM as RootLLM, LLMEngine, SamplingParams as RootSamplingParams
+    assert RootLLM is LLM and RootSamplingParams is SamplingParams
+    assert LLMEngine is LLM.__init__.__globals__["LLMEngine"]
+    assert {"LLM", "LLMEngine", "SamplingParams"} <= set(petite_llm.__all__)
+
+
+def test_engine_stats_extend_the_scheduler_stats(f64):
+    "One stats API: EngineStats carries the scheduler's counters under the same names."
+    path, hf = f64
+    llm = LLM(path, block_size=4, kv_cache_memory=_pool(path, 64, 4))
+    engine = llm.engine
+    engine.add_request([5] * 9, SamplingParams(temperature=0, max_tokens=4))
+    engine.step()
+    scheduler_stats, engine_stats = engine.scheduler.stats, engine.stats
+    assert isinstance(engine_stats, SchedulerStats)
+    assert {k: getattr(engine_stats, k) for k in vars(scheduler_stats)} == vars(scheduler_stats)
+    assert engine_stats.num_running == 1 and engine_stats.kv_blocks_used == 3
+    assert engine_stats.num_steps == 1 and engine_stats.num_prompt_tokens == 9
+    assert engine_stats.kv_cache_usage == 3 / 64
 
 
 def test_default_kv_budget_is_logged(f64, caplog):
