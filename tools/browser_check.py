@@ -29,7 +29,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from build_site import SITE_HTML  # noqa: E402
-from nbtools import ROOT, book_notebooks, promises_picture, read_nb  # noqa: E402
+from nbtools import (ROOT, book_notebooks, book_view, promises_picture,  # noqa: E402
+                     read_nb)
 
 CHROMIUM, CHROMEDRIVER = '/usr/bin/chromium', '/usr/bin/chromedriver'
 FLAGS = ['--headless', '--no-sandbox', '--disable-gpu', '--disable-quic', '--no-first-run',
@@ -144,7 +145,8 @@ def check_page(driver, base: str, nb_path: Path) -> tuple[list[str], str]:
                         f"the first at: {code['wide'][0][:60]!r}…")
     if code['fits100'] is False:
         problems.append('a 100-character line does not fit in a code cell at 1280 pixels')
-    has_code = any(c['cell_type'] == 'code' and c['source'].strip() for c in nb['cells'])
+    shown_cells = book_view(nb)['cells']    # what the reader sees: hidden cells dropped
+    has_code = any(c['cell_type'] == 'code' and c['source'].strip() for c in shown_cells)
     if has_code and code['fits100'] is None:
         problems.append('its notebook has code but the page shows no code cell')
     if len(text.strip()) < 20:
