@@ -25,13 +25,8 @@ from petite_llm.weights import load_model
 VOCAB, EOS = 300, 2
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    "Tiny models: one thread beats two, by far on a busy machine (no OpenMP barriers)."
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+# tiny models: one torch thread (tests/conftest.py)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _checkpoint(path, dtype, seed=0, **overrides):
