@@ -5,6 +5,7 @@
 # %% ../nbs/90_cli.ipynb #37f3e6d8
 from __future__ import annotations
 import argparse
+import functools
 import math
 import os
 import signal
@@ -15,8 +16,8 @@ from .sampling import SamplingParams
 
 # %% auto #0
 __all__ = ['DIM', 'RESET', 'default_model', 'resolve_device_dtype', 'sampling_params', 'engine_steps', 'Runner', 'cmd_generate',
-           'explain_lines', 'explain', 'ThinkSplitter', 'ThinkDisplay', 'cmd_chat', 'cmd_serve', 'cmd_bench',
-           'build_parser', 'main']
+           'explain_lines', 'explain', 'xray_lines', 'ThinkSplitter', 'ThinkDisplay', 'cmd_chat', 'cmd_serve',
+           'cmd_bench', 'build_parser', 'main']
 
 # %% ../nbs/90_cli.ipynb #62eec3c7
 def default_model() -> str:
@@ -184,11 +185,18 @@ def cmd_generate(args, parser) -> int:
         parser.error('--priority needs the engine; drop --no-cache')
     if args.explain and len(args.prompt) > 1:
         parser.error('--explain narrates one generation: give one PROMPT')
+    if args.xray and len(args.prompt) > 1:
+        parser.error('--xray shows one forward pass: give one PROMPT')
     sampling_params(args, {}, parser)   # bad sampling values fail now, before the model loads
     runner = _load(args)
     params = sampling_params(args, runner.generation_config, parser,
                              logprobs=5 if args.explain else None)
     prompts = _prompts(args, runner)
+    if args.xray:
+        prompt_ids = prompts[0]
+        if isinstance(prompt_ids, str):
+            prompt_ids = runner.tokenizer.encode(prompt_ids, add_special_tokens=True)
+        print('\n'.join(xray_lines(runner.model, prompt_ids)) + '\n')
     t0 = time.perf_counter()
     if args.explain:
         results = [explain(runner, prompts[0], params)]
@@ -240,6 +248,63 @@ def explain(runner: Runner, prompt, params: SamplingParams):
     result = runner.generate([prompt], params)[0]
     print('\n'.join(explain_lines(runner.tokenizer, result)))
     return result
+
+# %% ../nbs/90_cli.ipynb #47e384c8
+def _describe(value) -> str:
+    "A tensor as '[5, 576] float32', a tuple of tensors joined by commas, anything else by type."
+    import torch
+    if isinstance(value, torch.Tensor):
+        shape = ', '.join(str(size) for size in value.shape)
+        return f"[{shape}] {str(value.dtype).removeprefix('torch.')}"
+    if isinstance(value, (tuple, list)):
+        return ', '.join(_describe(v) for v in value if isinstance(v, torch.Tensor))
+    return type(value).__name__
+
+def _layer_index(name: str) -> int | None:
+    "The decoder layer a module belongs to ('model.layers.3.mlp' -> 3), or None."
+    parts = name.split('.')
+    if 'layers' in parts[:-1]:
+        after = parts[parts.index('layers') + 1]
+        return int(after) if after.isdigit() else None
+    return None
+
+def xray_lines(model, token_ids: list[int], shown_layers: int = 1) -> list[str]:
+    "One forward pass over token_ids: each module call in order, indented, with shapes and dtypes."
+    import torch
+    rows, open_rows = [], []        # [depth, name, class, inputs, outputs]; the calls still running
+
+    def enter(name, module, args):
+        rows.append([len(open_rows), name, type(module).__name__, _describe(args), ''])
+        open_rows.append(rows[-1])
+
+    def leave(name, module, args, output):
+        open_rows.pop()[4] = _describe(output)
+
+    hooks = []
+    for name, module in model.named_modules():
+        if name:
+            hooks.append(module.register_forward_pre_hook(functools.partial(enter, name)))
+            hooks.append(module.register_forward_hook(functools.partial(leave, name)))
+    device = next(model.parameters()).device
+    input_ids = torch.tensor(token_ids, device=device)                    # [T]
+    try:
+        with torch.inference_mode():
+            model(input_ids, torch.arange(len(token_ids), device=device))   # logits [T, V]
+    finally:
+        for hook in hooks:
+            hook.remove()
+    lines = [f"one forward pass over {len(token_ids)} tokens: module (class)  inputs -> outputs"]
+    layers = set()
+    for depth, name, cls, inputs, outputs in rows:
+        layer = _layer_index(name)
+        layers.add(layer)
+        if layer is None or layer < shown_layers:
+            lines.append(f"{'  ' * depth}{name} ({cls})  {inputs} -> {outputs}")
+    hidden = sorted(i for i in layers if i is not None and i >= shown_layers)
+    if hidden:
+        lines.append(f"(layers {hidden[0]} to {hidden[-1]} repeat layer {shown_layers - 1}'s "
+                     "calls with the same shapes)")
+    return lines
 
 # %% ../nbs/90_cli.ipynb #1b1709a3
 class ThinkSplitter:
@@ -419,6 +484,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument('--system', metavar='TEXT', help='a system message (with --chat)')
     g.add_argument('--explain', action='store_true',
                    help='narrate the generation: prompt tokens, prefill, top-5 candidates per step')
+    g.add_argument('--xray', action='store_true',
+                   help="first show the prompt's forward pass: every module, its shapes and dtypes")
     g.add_argument('--priority', type=_int_list, metavar='N[,N...]',
                    help='one priority per prompt, comma-separated; higher runs first when they do '
                         'not all fit')

@@ -52,6 +52,7 @@ def test_help_is_fast_and_works_as_a_script():
     (['generate', '--no-such-flag', 'hi'], 'unrecognized arguments'),
     (['generate', '--priority', 'high', 'hi'], 'expected comma-separated integers'),
     (['generate', '--explain', 'one', 'two'], '--explain narrates one generation'),
+    (['generate', '--xray', 'one', 'two'], '--xray shows one forward pass'),
     (['generate', '--system', 'be nice', 'hi'], '--system only makes sense with --chat'),
 ])
 def test_bad_arguments_exit_2(argv, msg):
@@ -203,3 +204,14 @@ def test_explain_through_the_engine(shared_runner):
                           '--explain', 'What is the capital of France?'])
     assert code == 0, err
     assert 'The prompt is' in out and 'Prefill' in out and 'step 4' in out and out.count('->') == 4
+
+
+def test_xray_through_the_engine(shared_runner):
+    "--xray prints the prompt's forward pass, module by module, then generates as usual."
+    code, out, err = run(['generate', '--temperature', '0', '--max-tokens', '4', '--xray',
+                          'The capital of France is'])
+    assert code == 0, err
+    xray, text = out.split('\n\n', 1)
+    assert xray.startswith('one forward pass over ') and 'model.layers.0.mlp.down_proj' in xray
+    assert 'model.layers.1.' not in xray and 'repeat layer 0' in xray
+    assert text.strip()
