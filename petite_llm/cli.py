@@ -17,7 +17,8 @@ from .sampling import SamplingParams
 # %% auto #0
 __all__ = ['DIM', 'RESET', 'default_model', 'resolve_device_dtype', 'sampling_params', 'engine_steps', 'Runner', 'cmd_generate',
            'explain_lines', 'explain', 'xray_lines', 'ThinkSplitter', 'ThinkDisplay', 'cmd_chat', 'cmd_serve',
-           'cmd_bench', 'build_parser', 'main']
+           'parse_metrics', 'histogram_quantile', 'dashboard', 'fetch_metrics', 'cmd_top', 'cmd_bench', 'build_parser',
+           'main']
 
 # %% ../nbs/90_cli.ipynb #62eec3c7
 def default_model() -> str:
@@ -442,6 +443,127 @@ def cmd_serve(args, parser) -> int:
         engine.shutdown()
     return 0
 
+# %% ../nbs/90_cli.ipynb #fd69b5e1
+def parse_metrics(text: str) -> dict:
+    "Prometheus text as plain numbers: gauges and counters by sample name, histograms as dicts."
+    from prometheus_client.parser import text_string_to_metric_families
+    out = {}
+    for fam in text_string_to_metric_families(text):
+        if fam.type == 'histogram':
+            h = out[fam.name] = dict(buckets=[], count=0.0, sum=0.0)
+            for s in fam.samples:
+                if s.name.endswith('_bucket'):
+                    h['buckets'].append((float(s.labels['le']), s.value))
+                elif s.name.endswith('_count'):
+                    h['count'] = s.value
+                elif s.name.endswith('_sum'):
+                    h['sum'] = s.value
+            h['buckets'].sort()
+        elif fam.type in ('gauge', 'counter'):
+            for s in fam.samples:
+                if not s.name.endswith('_created'):
+                    out[s.name] = s.value
+    return out
+
+def histogram_quantile(buckets: list[tuple[float, float]], q: float) -> float:
+    "The q-quantile from cumulative (upper bound, count) buckets, interpolated as Prometheus does."
+    buckets = sorted(buckets)
+    if not buckets or buckets[-1][1] <= 0:
+        return math.nan
+    rank = q * buckets[-1][1]
+    lo, below = 0.0, 0.0
+    for i, (le, count) in enumerate(buckets):
+        if count >= rank:
+            if math.isinf(le):  # in the +Inf bucket: the highest finite bound is all we know
+                return buckets[i - 1][0] if i else math.nan
+            if count == below:
+                return le
+            return lo + (le - lo) * (rank - below) / (count - below)
+        lo, below = le, count
+    return buckets[-1][0]
+
+# %% ../nbs/90_cli.ipynb #090668c1
+_P = 'petite_llm:'
+
+def _ms(seconds: float) -> str:
+    return '–' if math.isnan(seconds) else f"{seconds * 1000:.1f} ms"
+
+def _rate(snapshot: dict, previous: dict | None, name: str, seconds: float) -> str:
+    "A counter's increase per second between two snapshots."
+    if previous is None or seconds <= 0 or name not in snapshot or name not in previous:
+        return '–'
+    return f"{max(snapshot[name] - previous[name], 0) / seconds:.1f}"
+
+def dashboard(snapshot: dict, previous: dict | None = None, seconds: float = 0.0):
+    "A rich renderable of one /metrics snapshot; rates are taken against `previous`."
+    from rich.bar import Bar
+    from rich.table import Table
+    g = lambda name: snapshot.get(_P + name, math.nan)
+    t = Table(title='petite-llm top', show_header=False, box=None, padding=(0, 2))
+    t.add_column(style='bold')
+    t.add_column()
+    t.add_row('requests', f"{g('num_requests_running'):.0f} running, "
+                          f"{g('num_requests_waiting'):.0f} waiting")
+    kv = g('kv_cache_usage_perc')
+    kv_bar = Table.grid(padding=(0, 1))
+    kv_bar.add_row(Bar(1.0, 0, 0 if math.isnan(kv) else kv, width=30), f"{kv:.1%}")
+    t.add_row('KV cache', kv_bar)
+    t.add_row('prefix-cache hits', f"{g('prefix_cache_hit_rate'):.1%}")
+    t.add_row('preemptions', f"{g('num_preemptions_total'):.0f}")
+    t.add_row('prompt tok/s', _rate(snapshot, previous, _P + 'prompt_tokens_total', seconds))
+    t.add_row('generation tok/s',
+              _rate(snapshot, previous, _P + 'generation_tokens_total', seconds))
+    for label, name in [('TTFT', 'time_to_first_token_seconds'),
+                        ('TPOT', 'time_per_output_token_seconds'),
+                        ('e2e latency', 'e2e_request_latency_seconds')]:
+        h = snapshot.get(_P + name)
+        if h is None:
+            continue
+        qs = [_ms(histogram_quantile(h['buckets'], q)) for q in (0.5, 0.9, 0.99)]
+        t.add_row(f"{label} p50/p90/p99", f"{' / '.join(qs)}  ({h['count']:.0f} requests)")
+    return t
+
+# %% ../nbs/90_cli.ipynb #9b987d23
+def fetch_metrics(url: str, api_key: str | None = None, timeout: float = 5.0) -> dict:
+    "GET `url`/metrics and parse it."
+    import urllib.request
+    req = urllib.request.Request(url.rstrip('/') + '/metrics')
+    if api_key:
+        req.add_header('Authorization', f'Bearer {api_key}')
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return parse_metrics(r.read().decode())
+
+def cmd_top(args, parser) -> int:
+    "petite-llm top: a live dashboard of a running server's /metrics."
+    import urllib.error
+    from rich.console import Console
+    from rich.live import Live
+    if args.interval <= 0:
+        parser.error('--interval must be a number > 0')
+    api_key = args.api_key or os.environ.get('PETITE_LLM_API_KEY')
+    console = Console()
+    previous, last = None, 0.0
+    def poll():
+        nonlocal previous, last
+        snap, now = fetch_metrics(args.url, api_key), time.monotonic()
+        view = dashboard(snap, previous, now - last)
+        previous, last = snap, now
+        return view
+    try:
+        if args.once:
+            console.print(poll())
+            return 0
+        with Live(poll(), console=console, auto_refresh=False) as live:
+            while True:
+                time.sleep(args.interval)
+                live.update(poll(), refresh=True)
+    except (urllib.error.URLError, OSError, ValueError) as e:
+        reason = getattr(e, 'reason', e)
+        print(f"petite-llm top: error: cannot read {args.url}/metrics ({reason})", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 0
+
 # %% ../nbs/90_cli.ipynb #2e86eb0e
 def cmd_bench(args, parser) -> int:
     "petite-llm bench: chapter 17's benchmarks (petite_llm.bench), with their own options."
@@ -472,7 +594,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog='petite-llm',
                                      description='Run Qwen3-family models with petite_llm.')
     sub = parser.add_subparsers(dest='command', required=True,
-                                metavar='{generate,chat,serve,bench}')
+                                metavar='{generate,chat,serve,top,bench}')
 
     g = sub.add_parser('generate', help='complete one or more prompts, streaming the text',
                        description='Complete PROMPT(s); the text goes to stdout as it is produced, '
@@ -522,6 +644,18 @@ def build_parser() -> argparse.ArgumentParser:
                    help="uvicorn's log level (default info)")
     _add_model_args(s)
     s.set_defaults(func=cmd_serve, parser=s)
+
+    t = sub.add_parser('top', help="a live dashboard of a running server's /metrics",
+                       description="Poll a petite-llm server's /metrics and show requests, KV "
+                                   'cache, token rates and latency percentiles; Ctrl-C quits.')
+    t.add_argument('--url', default='http://127.0.0.1:8000',
+                   help='the server (default http://127.0.0.1:8000)')
+    t.add_argument('--interval', type=float, default=1.0, metavar='SECONDS',
+                   help='seconds between polls (default 1.0)')
+    t.add_argument('--api-key', metavar='KEY',
+                   help="the server's API key (default: $PETITE_LLM_API_KEY)")
+    t.add_argument('--once', action='store_true', help='print one snapshot and exit')
+    t.set_defaults(func=cmd_top, parser=t)
 
     b = sub.add_parser('bench', help='benchmarks against transformers (petite-llm bench --help)',
                        add_help=False, prefix_chars='\0')

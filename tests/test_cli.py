@@ -92,6 +92,8 @@ def test_parser_has_the_subcommands():
     a = p.parse_args(['generate', '--chat', '--seed', '3', '--stop', 'x', '--stop', 'y', 'a', 'b'])
     assert a.prompt == ['a', 'b'] and a.stop == ['x', 'y'] and a.seed == 3 and a.chat
     assert p.parse_args(['bench', '--quick', '--out', 'x']).args == ['--quick', '--out', 'x']
+    a = p.parse_args(['top', '--url', 'http://h:1', '--interval', '0.5', '--once'])
+    assert a.url == 'http://h:1' and a.interval == 0.5 and a.once and a.api_key is None
 
 
 class FakeRunner:
@@ -215,3 +217,97 @@ def test_xray_through_the_engine(shared_runner):
     assert xray.startswith('one forward pass over ') and 'model.layers.0.mlp.down_proj' in xray
     assert 'model.layers.1.' not in xray and 'repeat layer 0' in xray
     assert text.strip()
+
+
+# --- petite-llm top ---------------------------------------------------------------------------
+
+METRICS_TEXT = """\
+# HELP petite_llm:num_requests_running Requests running
+# TYPE petite_llm:num_requests_running gauge
+petite_llm:num_requests_running 4.0
+# HELP petite_llm:num_requests_waiting Requests waiting
+# TYPE petite_llm:num_requests_waiting gauge
+petite_llm:num_requests_waiting 2.0
+# HELP petite_llm:kv_cache_usage_perc Fraction of KV blocks used (0-1)
+# TYPE petite_llm:kv_cache_usage_perc gauge
+petite_llm:kv_cache_usage_perc 0.625
+# HELP petite_llm:prefix_cache_hit_rate Prefix cache hit rate (0-1)
+# TYPE petite_llm:prefix_cache_hit_rate gauge
+petite_llm:prefix_cache_hit_rate 0.5
+# HELP petite_llm:num_preemptions_total Preemptions
+# TYPE petite_llm:num_preemptions_total counter
+petite_llm:num_preemptions_total 7.0
+# HELP petite_llm:prompt_tokens_total Prompt tokens of finished requests
+# TYPE petite_llm:prompt_tokens_total counter
+petite_llm:prompt_tokens_total 1234.0
+# HELP petite_llm:generation_tokens_total Generated tokens of finished requests
+# TYPE petite_llm:generation_tokens_total counter
+petite_llm:generation_tokens_total 567.0
+# HELP petite_llm:time_to_first_token_seconds Time to first token
+# TYPE petite_llm:time_to_first_token_seconds histogram
+petite_llm:time_to_first_token_seconds_bucket{le="0.01"} 0.0
+petite_llm:time_to_first_token_seconds_bucket{le="0.02"} 20.0
+petite_llm:time_to_first_token_seconds_bucket{le="0.05"} 60.0
+petite_llm:time_to_first_token_seconds_bucket{le="0.1"} 100.0
+petite_llm:time_to_first_token_seconds_bucket{le="+Inf"} 100.0
+petite_llm:time_to_first_token_seconds_count 100.0
+petite_llm:time_to_first_token_seconds_sum 4.0
+"""
+
+
+def test_parse_metrics_and_quantiles():
+    import math
+    from petite_llm.cli import histogram_quantile, parse_metrics
+    m = parse_metrics(METRICS_TEXT)
+    assert m['petite_llm:num_requests_running'] == 4
+    assert m['petite_llm:kv_cache_usage_perc'] == 0.625
+    assert m['petite_llm:prompt_tokens_total'] == 1234
+    h = m['petite_llm:time_to_first_token_seconds']
+    assert h['count'] == 100 and h['sum'] == 4.0
+    assert h['buckets'][:2] == [(0.01, 0.0), (0.02, 20.0)] and math.isinf(h['buckets'][-1][0])
+    b = h['buckets']
+    # p50: rank 50 lies in (0.02, 0.05], 30 of its 40 -> 0.02 + 0.03 * 30/40 = 0.0425
+    assert math.isclose(histogram_quantile(b, 0.5), 0.0425)
+    # p90: rank 90 in (0.05, 0.1], 30 of 40 -> 0.05 + 0.05 * 0.75 = 0.0875
+    assert math.isclose(histogram_quantile(b, 0.9), 0.0875)
+    # p10: rank 10 in (0.01, 0.02], 10 of 20 -> 0.015
+    assert math.isclose(histogram_quantile(b, 0.1), 0.015)
+    # p99 when only the +Inf bucket holds it: the highest finite bound
+    assert histogram_quantile([(0.1, 1.0), (math.inf, 100.0)], 0.99) == 0.1
+    assert math.isnan(histogram_quantile([(0.1, 0.0), (math.inf, 0.0)], 0.5))
+
+
+def test_top_once_against_a_local_server():
+    import http.server
+    import threading
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            body = METRICS_TEXT.encode() if self.path == '/metrics' else b''
+            self.send_response(200 if body else 404)
+            self.send_header('Content-Type', 'text/plain; version=0.0.4')
+            self.send_header('Content-Length', str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(('127.0.0.1', 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f'http://127.0.0.1:{server.server_address[1]}'
+        code, out, err = run(['top', '--once', '--url', url])
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert code == 0, err
+    assert '4 running, 2 waiting' in out and '62.5%' in out and '50.0%' in out
+    assert '42.5 ms' in out and '87.5 ms' in out and '(100 requests)' in out
+
+
+def test_top_unreachable_server_is_a_clear_error():
+    code, out, err = run(['top', '--once', '--url', 'http://127.0.0.1:1'])
+    assert code == 1
+    assert 'petite-llm top: error: cannot read http://127.0.0.1:1/metrics' in err
+    assert err.count('\n') == 1 and 'Traceback' not in err
