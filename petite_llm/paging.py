@@ -9,16 +9,14 @@ import math
 from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from .kv_cache import kv_bytes_per_token
 
 # %% auto #0
 __all__ = ['cdiv', 'kv_bytes_per_block', 'num_kv_blocks', 'allocate_kv_cache', 'hash_block', 'Block', 'BlockManager',
-           'check_block_accounting', 'AttentionMetadata', 'store_kv', 'gather_blocks', 'TorchAttentionBackend']
+           'check_block_accounting']
 
 # %% ../nbs/11_paged_blocks.ipynb #aa30035e
 def cdiv(a: int, b: int) -> int:
@@ -226,159 +224,3 @@ def check_block_accounting(block_manager: BlockManager, seqs) -> None:
             block = bm.blocks[block_id]
             if block.hash is not None:
                 assert block.token_ids == tuple(seq.token_ids[i * bs:(i + 1) * bs]), block_id
-
-# %% ../nbs/11_paged_blocks.ipynb #6b2cb4f7
-@dataclass
-class AttentionMetadata:
-    "Where every token of a flat batch writes its K/V and which cached K/V each sequence reads."
-    slot_mapping: torch.Tensor      # [T] long: block * block_size + offset per token; -1 = padding
-    block_tables: torch.Tensor      # [B, max_blocks] int32, padded with 0
-    context_lens: torch.Tensor      # [B] int32: tokens in the cache after this step
-    query_start_loc: torch.Tensor   # [B+1] int32: sequence i's rows are query_start_loc[i]:[i+1]
-    positions: torch.Tensor         # [T] long: absolute position of each new token (for RoPE)
-    num_decodes: int                # the first num_decodes sequences have exactly one new token
-    query_start_loc_cpu: list[int]  # host-side copies, so that forward never calls .item()
-    context_lens_cpu: list[int]
-    backend: Any                    # its forward is what the attention layers call
-
-    @classmethod
-    def build(cls, block_tables: list[list[int]], num_computed_tokens: list[int],
-              num_new_tokens: list[int], block_size: int, device: torch.device | str | None,
-              backend: Any) -> AttentionMetadata:
-        "Metadata for sequences with these block tables, tokens already cached and tokens to run."
-        num_seqs = len(num_new_tokens)
-        context_lens = [done + new for done, new in zip(num_computed_tokens, num_new_tokens)]
-        for i, (table, context_len) in enumerate(zip(block_tables, context_lens)):
-            if len(table) * block_size < context_len:
-                raise ValueError(f"sequence {i}: block table of {len(table)} blocks "
-                                 f"cannot hold {context_len} tokens")
-        width = max([len(table) for table in block_tables] + [1])
-        padded = [list(table) + [0] * (width - len(table)) for table in block_tables]
-        tables = torch.tensor(padded, dtype=torch.int32).view(num_seqs, width)   # [B, width]
-        query_start_loc = [0]
-        for new in num_new_tokens:
-            query_start_loc.append(query_start_loc[-1] + new)
-        # each token of the flat batch: its sequence, its offset among that sequence's new tokens,
-        # its absolute position, and the slot its K/V go to
-        seq_of_token = torch.repeat_interleave(torch.arange(num_seqs),
-                                               torch.tensor(num_new_tokens, dtype=torch.long))
-        first_row = torch.tensor(query_start_loc[:-1], dtype=torch.long)[seq_of_token]
-        offset = torch.arange(query_start_loc[-1]) - first_row
-        positions = torch.tensor(num_computed_tokens, dtype=torch.long)[seq_of_token] + offset
-        block_ids = tables[seq_of_token, positions // block_size].long()
-        slot_mapping = block_ids * block_size + positions % block_size
-        # decodes come first: count the leading sequences with exactly one new token
-        num_decodes = 0
-        while num_decodes < num_seqs and num_new_tokens[num_decodes] == 1:
-            num_decodes += 1
-
-        def to_device(x: torch.Tensor) -> torch.Tensor:
-            return x.to(device, non_blocking=True) if device is not None else x
-
-        return cls(slot_mapping=to_device(slot_mapping),
-                   block_tables=to_device(tables),
-                   context_lens=to_device(torch.tensor(context_lens, dtype=torch.int32)),
-                   query_start_loc=to_device(torch.tensor(query_start_loc, dtype=torch.int32)),
-                   positions=to_device(positions),
-                   num_decodes=num_decodes,
-                   query_start_loc_cpu=query_start_loc,
-                   context_lens_cpu=context_lens,
-                   backend=backend)
-
-# %% ../nbs/11_paged_blocks.ipynb #87633e33
-def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slot_mapping: torch.Tensor):
-    "Write new keys/values [T, nkv, hd] into their cache slots, skipping padding (slot -1)."
-    keep = slot_mapping >= 0
-    slots = slot_mapping[keep]
-    k_cache.view(-1, *k_cache.shape[2:])[slots] = k[keep]
-    v_cache.view(-1, *v_cache.shape[2:])[slots] = v[keep]
-
-def gather_blocks(cache: torch.Tensor, table: torch.Tensor,
-                  scratch: torch.Tensor | None = None) -> torch.Tensor:
-    "Copy a table's blocks out of a pool [N, bs, nkv, hd]: [..., n] -> [..., n * bs, nkv, hd]."
-    idx = table.reshape(-1)
-    shape = (idx.numel(), *cache.shape[1:])
-    out = None if scratch is None else scratch[:math.prod(shape)].view(shape)   # reuse its memory
-    # on a CPU several times faster than cache[table] (advanced indexing)
-    out = torch.index_select(cache, 0, idx, out=out)
-    return out.view(*table.shape[:-1], table.shape[-1] * cache.shape[1], *cache.shape[2:])
-
-def _sdpa(q, k, v, mask, scale):
-    "q [B, nh, Lq, hd], k/v [B, nkv, Lk, hd], mask [B|1, 1, Lq|1, Lk] or None -> [B, nh, Lq, hd]"
-    B, nh, Lq, hd = q.shape
-    nkv = k.shape[1]
-    # GQA: query heads j*g … j*g+g-1 share kv head j, so they ride along as extra query rows
-    g = nh // nkv
-    q = q.reshape(B, nkv, g * Lq, hd)                 # rows ordered (head in group, query)
-    if mask is not None and mask.shape[-2] > 1:
-        mask = mask.repeat(1, 1, g, 1)                # one copy of the mask per head in the group
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)  # [B, nkv, g*Lq, hd]
-    return out.reshape(B, nh, Lq, hd)
-
-class TorchAttentionBackend:
-    "Reference paged attention: store K/V by slot, gather contexts by block table, then SDPA."
-    name = 'torch'
-
-    def __init__(self, batch_decodes: bool | None = None):
-        # None: batched on a GPU (one call), one sequence at a time on a CPU (no padded work)
-        self.batch_decodes = batch_decodes
-        self._scratch: dict[str, torch.Tensor] = {}
-
-    def scratch(self, name: str, numel: int, like: torch.Tensor) -> torch.Tensor:
-        "A reusable flat buffer of at least numel elements (see the pitfall on fresh CPU tensors)."
-        buf = self._scratch.get(name)
-        fits = buf is not None and buf.numel() >= numel
-        if not fits or buf.dtype != like.dtype or buf.device != like.device:
-            buf = torch.empty(int(numel * 1.25), dtype=like.dtype, device=like.device)
-            self._scratch[name] = buf
-        return buf
-
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache,
-                md: AttentionMetadata, scale: float) -> torch.Tensor:
-        "q [T, nh, hd], k/v [T, nkv, hd] -> [T, nh, hd], attending to each sequence's context."
-        k_cache, v_cache = kv_cache                   # [num_blocks, block_size, nkv, hd]
-        store_kv(k, v, k_cache, v_cache, md.slot_mapping)
-        block_size = k_cache.shape[1]
-        block_numel = k_cache[0].numel()              # elements in one block of K (or V)
-        out = torch.empty_like(q)
-        batched = q.is_cuda if self.batch_decodes is None else self.batch_decodes
-        num_decodes = md.num_decodes if batched else 0
-        if num_decodes:
-            # one query per sequence: one batched call over the first num_decodes rows of q,
-            # gathering no further than the longest decode
-            longest = max(md.context_lens_cpu[:num_decodes])
-            num_blocks = max(1, cdiv(longest, block_size))
-            table = md.block_tables[:num_decodes, :num_blocks]             # [D, num_blocks]
-            size = table.numel() * block_numel
-            keys = gather_blocks(k_cache, table, self.scratch('k', size, k_cache))
-            values = gather_blocks(v_cache, table, self.scratch('v', size, v_cache))
-            keys, values = keys.transpose(1, 2), values.transpose(1, 2)   # [D, nkv, L, hd]
-            # padding rows (length 0) attend to slot 0, not to nothing (which would give NaN)
-            context_lens = md.context_lens[:num_decodes].clamp(min=1)     # [D]
-            slots = torch.arange(num_blocks * block_size, device=q.device)
-            mask = slots < context_lens[:, None]                          # [D, L]
-            queries = q[:num_decodes].unsqueeze(2)                        # [D, nh, 1, hd]
-            o = _sdpa(queries, keys, values, mask[:, None, None, :], scale)
-            out[:num_decodes] = o.squeeze(2)
-        # prefill chunks (and unbatched decodes), one sequence at a time
-        for i in range(num_decodes, len(md.context_lens_cpu)):
-            start, end = md.query_start_loc_cpu[i], md.query_start_loc_cpu[i + 1]
-            num_queries = end - start
-            # a padding row (length 0) attends to slot 0, not to nothing
-            context_len = max(md.context_lens_cpu[i], 1)
-            table = md.block_tables[i, :cdiv(context_len, block_size)]
-            size = table.numel() * block_numel
-            keys = gather_blocks(k_cache, table, self.scratch('k', size, k_cache))[:context_len]
-            values = gather_blocks(v_cache, table, self.scratch('v', size, v_cache))[:context_len]
-            mask = None                               # a decode: its one query sees everything
-            if num_queries > 1:
-                # the chunk's queries are the last num_queries positions of the context
-                q_pos = torch.arange(context_len - num_queries, context_len, device=q.device)
-                k_pos = torch.arange(context_len, device=q.device)
-                mask = (k_pos[None, :] <= q_pos[:, None])[None, None]   # [1, 1, queries, context]
-            o = _sdpa(q[start:end].transpose(0, 1)[None],                 # [1, nh, queries, hd]
-                      keys.transpose(0, 1)[None],                         # [1, nkv, context, hd]
-                      values.transpose(0, 1)[None], mask, scale)
-            out[start:end] = o[0].transpose(0, 1)
-        return out

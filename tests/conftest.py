@@ -1,11 +1,28 @@
-"""Shared pytest setup: the `slow` marker (deselected by `make test`, run by `make test-slow`) and
-the one-thread fixture for modules of tiny models."""
+"""Shared pytest setup: the `slow` and `gpu` markers, Triton's interpreter on a CPU, and the
+one-thread fixture for modules of tiny models."""
+import os
+
 import pytest
 import torch
+
+if not torch.cuda.is_available():
+    # Triton kernels have no CPU compiler: run them in the interpreter (set before they are defined)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "slow: long tests, run by `make test-slow`")
+    config.addinivalue_line("markers", "gpu: needs a CUDA GPU; skipped without one")
+
+
+def pytest_collection_modifyitems(config, items):
+    "Skip the gpu-marked tests where there is no CUDA GPU, saying so."
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,8 @@ import torch
 import transformers
 
 from petite_llm.config import ModelConfig
-from petite_llm.engine import LLM, PackedLinear, packed_linear_available, prepack_linears
+from petite_llm.engine import LLM
+from petite_llm.layers.linear import PackedLinear, packed_linear_available, prepack_linears
 from petite_llm.paging import kv_bytes_per_block
 from petite_llm.sampling import SamplingParams
 from petite_llm.scheduler import SchedulerStats

@@ -8,9 +8,9 @@ import torch
 
 from petite_llm.layers.attention import causal_attention
 from petite_llm.kv_cache import kv_bytes_per_token
-from petite_llm.paging import (AttentionMetadata, BlockManager, TorchAttentionBackend,
-                               allocate_kv_cache, cdiv, check_block_accounting, hash_block,
-                               kv_bytes_per_block, num_kv_blocks)
+from petite_llm.backends import AttentionMetadata, TorchAttentionBackend
+from petite_llm.paging import (BlockManager, allocate_kv_cache, cdiv, check_block_accounting,
+                               hash_block, kv_bytes_per_block, num_kv_blocks)
 import petite_llm.paging as paging
 
 

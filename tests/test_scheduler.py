@@ -305,7 +305,8 @@ def test_scheduler_drives_the_real_model():
     import torch
     from petite_llm.config import ModelConfig
     from petite_llm.model import Qwen3ForCausalLM
-    from petite_llm.paging import AttentionMetadata, TorchAttentionBackend, allocate_kv_cache
+    from petite_llm.backends import AttentionMetadata, TorchAttentionBackend
+    from petite_llm.paging import allocate_kv_cache
     torch.manual_seed(0)
     cfg = ModelConfig(model_type='qwen3', vocab_size=97, hidden_size=64, intermediate_size=96,
                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .attention import MergedLinear
+from .linear import MergedLinear
 
 # %% ../../nbs/04_mlp.ipynb #bb669994
 class MLP(nn.Module):

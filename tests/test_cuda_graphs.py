@@ -1,0 +1,177 @@
+"""CUDA graphs (chapter 14): buckets, static buffers, padding, stale columns — and the same tokens.
+
+On a CPU the recording is replaced by a stand-in that re-runs the recorded function into the same
+output tensor, so everything around the graph (what is copied where, which bucket, which rows are
+padding) is tested here with the triton backend in Triton's interpreter. The `gpu` tests record
+real graphs and compare with eager steps and with transformers.
+"""
+import pytest
+import torch
+import transformers
+
+from petite_llm.backends import AttentionMetadata
+from petite_llm.config import ModelConfig
+from petite_llm.engine import LLM, CUDAGraphs, LLMEngine, cuda_graph_batch_sizes
+from petite_llm.model import Qwen3ForCausalLM
+from petite_llm.sampling import SamplingParams
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def replay_eagerly(fn):
+    "Stand-in for capture_cuda_graph: replay re-runs fn into the output tensor it first returned."
+    output = fn()
+    return (lambda: output.copy_(fn())), output
+
+
+def test_batch_sizes():
+    assert cuda_graph_batch_sizes(1) == [1]
+    assert cuda_graph_batch_sizes(8) == [1, 2, 4, 8]
+    assert cuda_graph_batch_sizes(20) == [1, 2, 4, 8, 16, 20]
+    assert cuda_graph_batch_sizes(256)[-2:] == [128, 256]
+
+
+def _md(tables, context_lens, backend):
+    "Decode-only metadata for sequences with these tables and contexts (last token new)."
+    return backend.build_metadata(tables, [n - 1 for n in context_lens], [1] * len(tables), 4,
+                                  'cpu')
+
+
+class _Recorder:
+    "A backend stand-in that records the metadata each replay attends with."
+    name, supports_cuda_graphs = 'recorder', True
+
+    def __init__(self):
+        self.seen = []
+
+    def build_metadata(self, *args):
+        return AttentionMetadata.build(*args, backend=self)
+
+
+def test_replay_pads_and_clears_stale_columns():
+    "A narrower table after a wider one leaves no stale block ids; padding rows store/read nothing."
+    backend = _Recorder()
+    graphs = CUDAGraphs(backend, max_num_seqs=4, max_blocks=6, block_size=4, device='cpu')
+
+    def forward(input_ids, positions, md):
+        # what a kernel would read, copied at replay time
+        backend.seen.append((md.slot_mapping.clone(), md.context_lens.clone(),
+                             md.block_tables.clone(), positions.clone()))
+        return input_ids[:, None].float()                           # [B, 1] "hidden"
+
+    graphs.capture(forward, replay_eagerly)
+    assert sorted(graphs.graphs) == [1, 2, 4]
+    wide = _md([[5, 1, 2, 3, 4], [6, 7, 8]], [18, 10], backend)      # 2 sequences, 5 columns
+    assert graphs.can_replay(wide)
+    hidden = graphs.replay(torch.tensor([11, 12]), wide)
+    assert hidden[:, 0].tolist() == [11, 12]
+    slots, lens, tables, positions = backend.seen[-1]
+    assert tables.shape == (2, 6) and tables[0, :5].tolist() == [5, 1, 2, 3, 4]
+    assert positions.tolist() == [17, 9]
+    narrow = _md([[9], [3, 2], [1]], [2, 5, 1], backend)             # 3 sequences: bucket 4
+    hidden = graphs.replay(torch.tensor([21, 22, 23]), narrow)
+    assert hidden.shape == (3, 1) and hidden[:, 0].tolist() == [21, 22, 23]
+    slots, lens, tables, positions = backend.seen[-1]
+    assert tables.shape == (4, 6)
+    assert tables[:3].tolist() == [[9, 0, 0, 0, 0, 0], [3, 2, 0, 0, 0, 0], [1, 0, 0, 0, 0, 0]]
+    assert slots[3].item() == -1 and lens[3].item() == 0             # the padding row
+    assert lens[:3].tolist() == [2, 5, 1]
+    assert slots[:3].tolist() == [9 * 4 + 1, 2 * 4 + 0, 1 * 4 + 0]
+
+
+def test_what_cannot_replay():
+    backend = _Recorder()
+    graphs = CUDAGraphs(backend, max_num_seqs=2, max_blocks=2, block_size=4, device='cpu')
+    assert graphs.can_replay(_md([[0], [1]], [3, 4], backend))
+    assert not graphs.can_replay(_md([[0], [1], [2]], [3, 4, 1], backend))   # more than captured
+    assert not graphs.can_replay(_md([[0, 1, 2]], [9], backend))             # wider table
+    prefill = backend.build_metadata([[0], [1]], [3, 0], [1, 4], 4, 'cpu')
+    assert not graphs.can_replay(prefill)                                    # a prefill chunk
+
+
+def _tiny(dtype=torch.float32, **overrides):
+    torch.manual_seed(0)
+    kw = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2, head_dim=8, qk_norm=True,
+              max_position_embeddings=256)
+    kw.update(overrides)
+    return Qwen3ForCausalLM(ModelConfig('qwen3', **kw)).to(dtype).eval()
+
+
+def _greedy_tokens(engine, prompts, max_tokens):
+    "Each prompt's greedy tokens, all generated together (sequences finish at different steps)."
+    ids = [engine.add_request(p, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
+           for p, n in zip(prompts, max_tokens)]
+    done = {}
+    while engine.has_unfinished_requests():
+        done.update({out.request_id: out for out in engine.step() if out.finished})
+    return [done[i].outputs[0].token_ids for i in ids]
+
+
+@pytest.mark.parametrize("block_size", [1, 4])
+def test_graphed_engine_gives_the_eager_tokens(block_size):
+    "Triton backend (interpreted), stand-in graphs: the eager engine's tokens, decodes replayed."
+    model = _tiny()
+    prompts = [[1, 2, 3, 4, 5], [7, 8, 9], [11, 12, 13, 14, 15, 16, 17], [3] * 9, [5, 6]]
+    max_tokens = [12, 3, 5, 6, 4]                 # the batch shrinks: 5 → 4 → … → 1, new buckets
+    kw = dict(attention_backend='triton', block_size=block_size, kv_cache_memory=2**20,
+              max_num_seqs=5, max_num_batched_tokens=16)
+    eager = LLMEngine(model, enforce_eager=True, **kw)
+    graphed = LLMEngine(model, enforce_eager=True, **kw)
+    graphed.runner.capture_cuda_graphs(5, graphed.max_model_len, capture=replay_eagerly)
+    replays = []
+    graphed.runner.cuda_graphs.graphs = {
+        size: ((lambda r=replay, s=size: (replays.append(s), r())), out)
+        for size, (replay, out) in graphed.runner.cuda_graphs.graphs.items()}
+    assert _greedy_tokens(graphed, prompts, max_tokens) == _greedy_tokens(eager, prompts,
+                                                                          max_tokens)
+    assert {1, 2, 4, 5} <= set(replays) <= {1, 2, 4, 5}
+
+
+def test_enforce_eager_and_cpu_record_nothing():
+    engine = LLMEngine(_tiny(), kv_cache_memory=2**20)
+    assert engine.runner.cuda_graphs is None and not engine.cuda_graphs
+
+
+# --- on a GPU: real graphs -------------------------------------------------------------------
+
+def _hf_checkpoint(path, dtype):
+    torch.manual_seed(0)
+    cfg = transformers.Qwen3Config(vocab_size=300, hidden_size=64, intermediate_size=128,
+                                   num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+                                   initializer_range=0.2, eos_token_id=2)
+    transformers.Qwen3ForCausalLM(cfg).to(dtype).save_pretrained(path)
+    return transformers.Qwen3ForCausalLM.from_pretrained(path, dtype=dtype).cuda().eval()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("block_size", [1, 16])
+def test_cuda_graphs_match_eager_and_transformers(tmp_path, block_size):
+    "fp32 on CUDA, triton backend: graph and eager tokens identical; logits within 1e-4 of HF's."
+    hf = _hf_checkpoint(tmp_path, torch.float32)
+    prompts = [[5, 6, 7], [9] * 20, list(range(10, 50)), [3, 4], [8] * 3]
+    kw = dict(dtype='float32', device='cuda', attention_backend='triton', max_num_seqs=8,
+              block_size=block_size, kv_cache_memory=2**26)
+    eager, graphed = LLM(tmp_path, enforce_eager=True, **kw), LLM(tmp_path, **kw)
+    assert graphed.engine.cuda_graphs and not eager.engine.cuda_graphs
+    rows, run = {}, graphed.engine.runner.run
+
+    def recording_run(scheduled):
+        out = run(scheduled)
+        for seq, row in zip(out.seqs, out.logits):
+            rows.setdefault(tuple(seq.prompt_token_ids), []).append(row.clone())
+        return out
+    graphed.engine.runner.run = recording_run
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+              for n in (12, 3, 9, 6, 1)]
+    want = eager.generate(prompts, params, use_tqdm=False)
+    got = graphed.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    for prompt, out in zip(prompts, got):
+        tokens = out.outputs[0].token_ids
+        with torch.inference_mode():
+            ref = hf(torch.tensor([prompt + tokens], device='cuda')).logits[0]    # [L, V]
+        ref = ref[len(prompt) - 1:len(prompt) - 1 + len(tokens)]
+        ours = torch.stack(rows[tuple(prompt)])
+        assert (ours - ref).abs().max() <= 1e-4 * ref.abs().max()
