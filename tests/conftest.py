@@ -32,3 +32,19 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+@pytest.fixture
+def record_logits():
+    "record(llm) makes llm keep each sampled row's logits: {prompt token ids: [row per step]}."
+    def record(llm):
+        rows, run = {}, llm.engine.runner.run
+
+        def recording_run(scheduled):
+            out = run(scheduled)
+            for seq, row in zip(out.seqs, out.logits):
+                rows.setdefault(tuple(seq.prompt_token_ids), []).append(row.clone())
+            return out
+        llm.engine.runner.run = recording_run
+        return rows
+    return record

@@ -147,7 +147,7 @@ def _hf_checkpoint(path, dtype):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("block_size", [1, 16])
-def test_cuda_graphs_match_eager_and_transformers(tmp_path, block_size):
+def test_cuda_graphs_match_eager_and_transformers(tmp_path, block_size, record_logits):
     "fp32 on CUDA, triton backend: graph and eager tokens identical; logits within 1e-4 of HF's."
     hf = _hf_checkpoint(tmp_path, torch.float32)
     prompts = [[5, 6, 7], [9] * 20, list(range(10, 50)), [3, 4], [8] * 3]
@@ -155,14 +155,7 @@ def test_cuda_graphs_match_eager_and_transformers(tmp_path, block_size):
               block_size=block_size, kv_cache_memory=2**26)
     eager, graphed = LLM(tmp_path, enforce_eager=True, **kw), LLM(tmp_path, **kw)
     assert graphed.engine.cuda_graphs and not eager.engine.cuda_graphs
-    rows, run = {}, graphed.engine.runner.run
-
-    def recording_run(scheduled):
-        out = run(scheduled)
-        for seq, row in zip(out.seqs, out.logits):
-            rows.setdefault(tuple(seq.prompt_token_ids), []).append(row.clone())
-        return out
-    graphed.engine.runner.run = recording_run
+    rows = record_logits(graphed)
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
               for n in (12, 3, 9, 6, 1)]
     want = eager.generate(prompts, params, use_tqdm=False)

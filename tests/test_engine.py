@@ -150,18 +150,12 @@ def test_preemption_parity_f64(f64):
 
 @pytest.mark.parametrize("block_size,budget,num_blocks",
                          [(4, 64, 24), (1, 8, 4096), (16, 2048, 64)])
-def test_logits_f32(f32, block_size, budget, num_blocks):
+def test_logits_f32(f32, block_size, budget, num_blocks, record_logits):
     "fp32, any block size, 8-token chunks, preemption: each position's logits match HF within 1e-4."
     path, hf = f32
     llm = LLM(path, block_size=block_size, max_num_batched_tokens=budget,
               kv_cache_memory=_pool(path, num_blocks, block_size, torch.float32))
-    rows, run = {}, llm.engine.runner.run
-    def recording_run(so):
-        out = run(so)
-        for s, row in zip(out.seqs, out.logits):
-            rows.setdefault(tuple(s.prompt_token_ids), []).append(row.clone())
-        return out
-    llm.engine.runner.run = recording_run
+    rows = record_logits(llm)
     prompts = _prompts(2)
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8),
                         priority=[i % 2 for i in range(16)], use_tqdm=False)
