@@ -32,18 +32,20 @@ logger = logging.getLogger(__name__)
 
 # %% auto #0
 __all__ = ['logger', 'ATTENTION_BACKENDS', 'CPU_KV_FRACTION', 'CPU_KV_CAP', 'ModelRunnerOutput', 'ModelRunner',
-           'get_attention_backend', 'CompletionOutput', 'RequestMetrics', 'RequestOutput', 'default_kv_cache_memory',
-           'OutputProcessor', 'EngineStats', 'LLMEngine', 'cuda_graph_batch_sizes', 'capture_cuda_graph', 'CUDAGraphs',
-           'merge_outputs', 'LLM']
+           'get_attention_backend', 'CompletionOutput', 'SpecDecodingStats', 'RequestMetrics', 'RequestOutput',
+           'default_kv_cache_memory', 'OutputProcessor', 'EngineStats', 'LLMEngine', 'load_engine_model',
+           'cuda_graph_batch_sizes', 'capture_cuda_graph', 'CUDAGraphs', 'merge_outputs', 'LLM']
 
 # %% ../nbs/14_engine.ipynb #f0c44ed1
 @dataclass
 class ModelRunnerOutput:
     "What one forward pass chose for the sequences that reached their last token (in `seqs` order)."
-    seqs: list[Sequence]                     # [R] the sequences that sampled a token this step
-    token_ids: list[int]                     # [R]
-    logprobs: list[dict[int, float] | None]  # [R] top-k logprobs, where asked
-    logits: torch.Tensor                     # [R, V] raw logits (tests and `--explain` read them)
+    seqs: list[Sequence]                     # [S] the sequences that sampled this step
+    # [S] each one's new tokens: one, or 1 ... d + 1 after verifying d drafts (chapter 15)
+    token_ids: list[list[int]]
+    logprobs: list[list[dict[int, float] | None]]   # [S] per new token: top-k logprobs, if asked
+    logits: torch.Tensor                     # [R, V] raw logits of the rows that sample
+    num_draft_tokens: list[int]              # [S] the drafts each verified
 
 class ModelRunner:
     "Owns the model and its KV pool: SchedulerOutput → tensors → forward pass → sampled tokens."
@@ -58,6 +60,7 @@ class ModelRunner:
         self.backend = backend if backend is not None else TorchAttentionBackend()
         self.sampler = Sampler()
         self.cuda_graphs: CUDAGraphs | None = None    # captured by capture_cuda_graphs
+        self.speculator = None                        # set by an engine that speculates
 
     def prepare(self, scheduled: SchedulerOutput):
         "The flat batch: input_ids [T], positions [T], AttentionMetadata, logits_indices [R]."
@@ -100,18 +103,22 @@ class ModelRunner:
             hidden = self.forward(input_ids, positions, attn_metadata)     # [T, H]
         logits = self.model.compute_logits(hidden[logits_indices])        # [R, V]
         seqs = scheduled.sampling_seqs
-        if not seqs:
-            return ModelRunnerOutput([], [], [], logits)
+        if any(scheduled.spec_token_ids):
+            # chapter 15: rejection sampling over the rows of the drafts
+            return self.speculator.sample(scheduled, logits, self.sampler)
         params = [seq.sampling_params for seq in seqs]
         # the argmax is all the sampler would do
         if all(_plain_greedy(p, seq) for p, seq in zip(params, seqs)):
             token_ids = logits.float().argmax(-1).tolist()
-            return ModelRunnerOutput(seqs, token_ids, [None] * len(seqs), logits)
-        sampled = self.sampler(logits, params,
-                               [seq.prompt_token_ids for seq in seqs],
-                               [seq.output_token_ids for seq in seqs],
-                               [p.stop_token_set(self.eos_token_ids) for p in params])
-        return ModelRunnerOutput(seqs, sampled.token_ids, sampled.logprobs, logits)
+            logprobs = [None] * len(seqs)
+        else:
+            sampled = self.sampler(logits, params,
+                                   [seq.prompt_token_ids for seq in seqs],
+                                   [seq.output_token_ids for seq in seqs],
+                                   [p.stop_token_set(self.eos_token_ids) for p in params])
+            token_ids, logprobs = sampled.token_ids, sampled.logprobs
+        return ModelRunnerOutput(seqs, [[t] for t in token_ids], [[lp] for lp in logprobs],
+                                 logits, [0] * len(seqs))
 
 def _plain_greedy(p: SamplingParams, seq: Sequence) -> bool:
     "Greedy, nothing that could move the argmax (penalties, an unmet min_tokens), no logprobs."
@@ -167,9 +174,32 @@ class CompletionOutput:
         "True once a finish_reason is set."
         return self.finish_reason is not None
 
+@dataclass(kw_only=True)
+class SpecDecodingStats:
+    "Speculative decoding's counters (chapter 15): decodes that verified drafts, drafts, accepted."
+    num_drafts: int = 0                 # decodes that verified at least one draft
+    num_draft_tokens: int = 0           # drafts verified
+    num_accepted_tokens: int = 0        # drafts accepted
+
+    def record(self, num_draft_tokens: int, num_accepted_tokens: int):
+        "Count one decode that verified num_draft_tokens drafts and accepted num_accepted_tokens."
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft_tokens
+        self.num_accepted_tokens += num_accepted_tokens
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        "Drafts accepted / drafts verified (None before any)."
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else None
+
+    @property
+    def mean_accepted_tokens(self) -> float | None:
+        "Drafts accepted per verifying decode, which emits one token more (None before any)."
+        return self.num_accepted_tokens / self.num_drafts if self.num_drafts else None
+
 @dataclass
-class RequestMetrics:
-    "Wall-clock times of one request (time.perf_counter seconds)."
+class RequestMetrics(SpecDecodingStats):
+    "Wall-clock times of one request (time.perf_counter seconds), and its drafts' counters."
     arrival_time: float
     first_token_time: float | None = None
     last_token_time: float | None = None
@@ -327,15 +357,23 @@ class OutputProcessor:
         "True while a request is queued or running, or an abort is still to be reported."
         return bool(self.requests) or bool(self._aborted)
 
-    def process(self, seqs: list[Sequence], token_ids: list[int],
-                logprobs: list[dict[int, float] | None]) -> list[RequestOutput]:
-        "Add one step's sampled tokens to their completions; one output per request touched."
+    def process(self, result: ModelRunnerOutput | None = None) -> list[RequestOutput]:
+        "Add one step's new tokens to their completions; one output per request touched."
         outputs, self._aborted = self._aborted, []
         now = time.perf_counter()
         touched = {}    # request id -> request, for every request that got a token this step
-        for seq, token_id, token_logprobs in zip(seqs, token_ids, logprobs):
+        rows = [] if result is None else zip(result.seqs, result.token_ids, result.logprobs,
+                                             result.num_draft_tokens)
+        for seq, token_ids, logprobs, num_drafts in rows:
             req, index = self._seq_owner[seq.seq_id]
-            self._add_token(seq, req, index, token_id, token_logprobs, now)
+            if num_drafts:
+                req.metrics.record(num_drafts, len(token_ids) - 1)
+            # update() appended the tokens up to a stop; those after it are not emitted
+            num_new = seq.num_output_tokens - len(req.completions[index].token_ids)
+            for i in range(num_new):
+                if self._add_token(seq, req, index, token_ids[i], logprobs[i], now,
+                                   last=i == num_new - 1):
+                    break                         # a stop string ended it
             touched[req.request_id] = req
         for req in touched.values():
             out = req.output()
@@ -346,8 +384,9 @@ class OutputProcessor:
         return outputs
 
     def _add_token(self, seq: Sequence, req: _Request, index: int, token_id: int,
-                   token_logprobs: dict[int, float] | None, now: float):
-        "One sampled token into completion `index` of `req`: ids, logprobs, timings, text."
+                   token_logprobs: dict[int, float] | None, now: float, last: bool) -> bool:
+        "One new token into completion `index` of `req`: ids, logprobs, timings, text; ended it?"
+        # last: the step's last token for seq, the one a stop in update() ends on
         completion, detok, metrics = req.completions[index], req.detoks[index], req.metrics
         completion.token_ids.append(token_id)
         completion.delta_token_ids.append(token_id)
@@ -357,26 +396,32 @@ class OutputProcessor:
             metrics.first_token_time = now
         metrics.last_token_time = now
         metrics.num_output_tokens += 1
+        ends_here = last and seq.is_finished
         if detok is not None:
-            if seq.is_finished and seq.stop_reason == token_id:
+            if ends_here and seq.stop_reason == token_id:
                 new_text = ''                    # a stop token is not text
             else:
                 new_text = detok.add(token_id)
-            if detok.stopped is not None and not seq.is_finished:
-                # a stop string ends the sequence here, and frees its blocks at once
-                self.scheduler.finish(seq.seq_id, 'stop', detok.stopped)
-            if seq.is_finished:
+            if detok.stopped is not None:
+                # a stop string ends the sequence here, before any later token of this step
+                if seq.is_finished:
+                    seq.finish_reason, seq.stop_reason = 'stop', detok.stopped
+                else:
+                    self.scheduler.finish(seq.seq_id, 'stop', detok.stopped)   # frees its blocks
+                ends_here = True
+            if ends_here:
                 new_text += detok.finish()
             completion.text += new_text
             completion.delta_text += new_text
-        if seq.is_finished:
+        if ends_here:
             completion.finish_reason, completion.stop_reason = seq.finish_reason, seq.stop_reason
             del self._seq_owner[seq.seq_id]
+        return ends_here
 
 # %% ../nbs/14_engine.ipynb #cebd0769
 @dataclass
-class EngineStats(SchedulerStats):
-    "The scheduler's counters (chapter 12) and the engine's own: steps, tokens, busy time."
+class EngineStats(SchedulerStats, SpecDecodingStats):
+    "The scheduler's counters (chapter 12) and the engine's own: steps, tokens, busy time, drafts."
     num_steps: int
     num_prompt_tokens: int          # prompt (and recomputed) tokens run through the model
     num_generated_tokens: int
@@ -404,7 +449,8 @@ class LLMEngine:
                  max_model_len: int | None = None, max_num_batched_tokens: int = 2048,
                  max_num_seqs: int | None = None, enable_prefix_caching: bool = True,
                  generation_config: dict | None = None,
-                 attention_backend: str | AttentionBackend = 'auto', enforce_eager: bool = False):
+                 attention_backend: str | AttentionBackend = 'auto', enforce_eager: bool = False,
+                 speculative_config: dict | None = None):
         cfg, self.model, self.tokenizer = model.config, model, tokenizer
         if generation_config is None:
             generation_config = getattr(tokenizer, 'generation_config', {})
@@ -414,20 +460,28 @@ class LLMEngine:
             *(tokenizer.eos_token_ids if tokenizer else []),
             *_as_list(self.generation_config.get('eos_token_id'))]))
         dtype = next(model.parameters()).dtype
+        draft = None
+        if speculative_config is not None:
+            # chapter 15 builds on this module, so it is imported only when asked for
+            from petite_llm.speculative import SpeculativeConfig, load_draft_model
+            speculative_config = SpeculativeConfig.from_dict(speculative_config)
+            draft = load_draft_model(speculative_config, model)     # None for n-gram
+        # every model with a KV cache: a block id names a block in each
+        kv_configs = [cfg] + ([draft.config] if draft is not None else [])
         if max_num_seqs is None:
             max_num_seqs = min(256, max_num_batched_tokens)
         source = 'given'
         if kv_cache_memory is None:
             # no more than max_num_seqs full-length sequences could use
             longest = max_model_len or cfg.max_position_embeddings
-            most = max_num_seqs * longest * kv_bytes_per_block(cfg, 1, dtype)
+            most = max_num_seqs * longest * kv_bytes_per_block(kv_configs, 1, dtype)
             kv_cache_memory = min(default_kv_cache_memory(model, gpu_memory_utilization), most)
             if next(model.parameters()).is_cuda:
                 source = f'gpu_memory_utilization={gpu_memory_utilization}'
             else:
                 source = (f'{CPU_KV_FRACTION:.0%} of available memory, '
                           f'at most {CPU_KV_CAP / 2**30:.0f} GiB')
-        num_blocks = num_kv_blocks(cfg, block_size, kv_cache_memory, dtype)
+        num_blocks = num_kv_blocks(kv_configs, block_size, kv_cache_memory, dtype)
         if max_model_len is None:
             max_model_len = min(cfg.max_position_embeddings, num_blocks * block_size)
             if max_model_len < cfg.max_position_embeddings:
@@ -438,7 +492,7 @@ class LLMEngine:
             raise ValueError(f"max_model_len={max_model_len} exceeds the model's "
                              f"max_position_embeddings={cfg.max_position_embeddings}; "
                              "lower max_model_len")
-        self.kv_cache_memory = num_blocks * kv_bytes_per_block(cfg, block_size, dtype)
+        self.kv_cache_memory = num_blocks * kv_bytes_per_block(kv_configs, block_size, dtype)
         self.num_kv_blocks, self.block_size = num_blocks, block_size
         self.max_model_len = max_model_len
         self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching)
@@ -459,10 +513,19 @@ class LLMEngine:
         logger.info("attention backend: %s; decode steps %s", attention_backend.name,
                     f"replay CUDA graphs for batch sizes {self.runner.cuda_graphs.batch_sizes}"
                     if self.cuda_graphs else "run eagerly")
+        self.speculator = None
+        if speculative_config is not None:
+            from petite_llm.speculative import Speculator
+            # the draft gets a backend of its own kind: a backend may keep per-model buffers
+            self.speculator = Speculator(speculative_config, draft, num_blocks, block_size,
+                                         type(attention_backend)(), self.eos_token_ids,
+                                         max_model_len)
+            self.runner.speculator = self.speculator
         self.output_processor = OutputProcessor(tokenizer, self.scheduler)
         self._request_ids, self._seq_ids = itertools.count(), itertools.count()
         self._steps = self._prompt_tokens = self._generated_tokens = 0
         self._busy = 0.0
+        self.spec_stats = SpecDecodingStats()      # over every request
 
     @property
     def requests(self) -> dict[str, _Request]:
@@ -472,17 +535,7 @@ class LLMEngine:
     @classmethod
     def from_pretrained(cls, model, dtype=None, device=None, tokenizer=None, **kwargs) -> LLMEngine:
         "Load a model (folder, .gguf, hub id or a built model) and its tokenizer; build the engine."
-        path = None
-        if isinstance(model, torch.nn.Module):
-            net = model.to(device=device, dtype=parse_dtype(dtype))
-        else:
-            from petite_llm.weights import load_model, resolve_model_path
-            path = resolve_model_path(model)
-            if device is None:
-                device = 'cuda' if torch.cuda.is_available() else 'cpu'
-            net = load_model(path, dtype=parse_dtype(dtype), device=torch.device(device))
-            if num_packed := prepack_linears(net):
-                logger.info("packed %d linear layers for oneDNN (bfloat16 on CPU)", num_packed)
+        net, path = load_engine_model(model, dtype, device)
         if isinstance(tokenizer, (str, os.PathLike)) or (tokenizer is None and path is not None):
             try:
                 tokenizer = Tokenizer.from_pretrained(tokenizer or path)
@@ -560,24 +613,30 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         "One forward pass; an output for each request that got tokens, finished or was aborted."
         if not self.scheduler.has_unfinished_requests():
-            return self.output_processor.process([], [], [])
+            return self.output_processor.process()
         start = time.perf_counter()
+        if self.speculator is not None:
+            self.speculator.propose(self.scheduler)      # drafts for the decodes (chapter 15)
         scheduled = self.scheduler.schedule()
         if len(scheduled) == 0:
-            return self.output_processor.process([], [], [])
+            return self.output_processor.process()
         result = self.runner.run(scheduled)
+        self._prompt_tokens += _num_prompt_tokens(scheduled)     # before update moves them on
+        num_tokens = sum(seq.num_tokens for seq in result.seqs)
         self.scheduler.update(scheduled, result.token_ids)
-        outputs = self.output_processor.process(result.seqs, result.token_ids, result.logprobs)
+        self._generated_tokens += sum(seq.num_tokens for seq in result.seqs) - num_tokens
+        for token_ids, num_drafts in zip(result.token_ids, result.num_draft_tokens):
+            if num_drafts:
+                self.spec_stats.record(num_drafts, len(token_ids) - 1)
+        outputs = self.output_processor.process(result)
         self._steps += 1
-        self._prompt_tokens += _num_prompt_tokens(scheduled)
-        self._generated_tokens += len(result.token_ids)
         self._busy += time.perf_counter() - start
         return outputs
 
     @property
     def stats(self) -> EngineStats:
         "The engine's counters now: the scheduler's, and the steps and tokens run so far."
-        return EngineStats(**vars(self.scheduler.stats),
+        return EngineStats(**vars(self.scheduler.stats), **vars(self.spec_stats),
                            num_steps=self._steps,
                            num_prompt_tokens=self._prompt_tokens,
                            num_generated_tokens=self._generated_tokens,
@@ -588,14 +647,23 @@ def _is_token_id(t, vocab_size: int) -> bool:
     return isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size
 
 def _num_prompt_tokens(scheduled: SchedulerOutput) -> int:
-    "Tokens that are not decodes: prompt chunks, and prompts recomputed after preemption."
-    total = 0
-    counts = zip(scheduled.seqs, scheduled.num_computed_tokens, scheduled.num_new_tokens)
-    for seq, num_computed, num_new in counts:
-        is_decode = num_new == 1 and num_computed >= seq.num_prompt_tokens
-        if not is_decode:
-            total += num_new
-    return total
+    "Tokens that are not decodes (nor drafts): prompt chunks, and recomputes after preemption."
+    # read before update(): a decode is a step that starts at the sequence's last token
+    return sum(num_new for seq, num_new in zip(scheduled.seqs, scheduled.num_new_tokens)
+               if not seq.is_decoding)
+
+def load_engine_model(model, dtype=None, device=None) -> tuple[nn.Module, Path | None]:
+    "A model for the engine and the path it came from: a built model moved, or a path loaded."
+    if isinstance(model, torch.nn.Module):
+        return model.to(device=device, dtype=parse_dtype(dtype)), None
+    from petite_llm.weights import load_model, resolve_model_path
+    path = resolve_model_path(model)
+    if device is None:
+        device = 'cuda' if torch.cuda.is_available() else 'cpu'
+    net = load_model(path, dtype=parse_dtype(dtype), device=torch.device(device))
+    if num_packed := prepack_linears(net):
+        logger.info("packed %d linear layers for oneDNN (bfloat16 on CPU)", num_packed)
+    return net, path
 
 # %% ../nbs/14_engine.ipynb #961fdedd
 def cuda_graph_batch_sizes(max_num_seqs: int) -> list[int]:
@@ -697,12 +765,15 @@ class LLM:
                  kv_cache_memory: int | None = None, gpu_memory_utilization: float = 0.9,
                  max_model_len: int | None = None, max_num_batched_tokens: int = 2048,
                  max_num_seqs: int | None = None, enable_prefix_caching: bool = True,
-                 tokenizer=None):
+                 tokenizer=None, speculative_config: dict | None = None,
+                 attention_backend: str = 'auto', enforce_eager: bool = False):
         self.engine = LLMEngine.from_pretrained(
             model, dtype=dtype, device=device, tokenizer=tokenizer, block_size=block_size,
             kv_cache_memory=kv_cache_memory, gpu_memory_utilization=gpu_memory_utilization,
             max_model_len=max_model_len, max_num_batched_tokens=max_num_batched_tokens,
-            max_num_seqs=max_num_seqs, enable_prefix_caching=enable_prefix_caching)
+            max_num_seqs=max_num_seqs, enable_prefix_caching=enable_prefix_caching,
+            speculative_config=speculative_config, attention_backend=attention_backend,
+            enforce_eager=enforce_eager)
         # request id -> what it gained since its consumer last looked (None: nothing yet)
         self._unread: dict[str, RequestOutput | None] = {}
 

@@ -249,8 +249,8 @@ class Sampler:
             probs[rows] = torch.nn.functional.one_hot(x[rows].argmax(-1), V).float()
         return probs
 
-    def sample(self, probs: torch.Tensor, params, output_ids) -> torch.Tensor:
-        "One token per row of `probs` [R, V]: greedy rows argmax, seeded ones by (seed, position)."
+    def noise(self, probs: torch.Tensor, params, output_ids) -> torch.Tensor:
+        "Race noise [R, V] for probs' rows: ones for greedy rows, seeded rows by (seed, position)."
         dev = probs.device
         noise = torch.ones_like(probs)                                       # greedy: argmax(p / 1)
         if rows := _rows(params, lambda p: not p.greedy and p.seed is None):
@@ -260,24 +260,32 @@ class Sampler:
         for r in _rows(params, lambda p: not p.greedy and p.seed is not None):
             g = torch.Generator(dev).manual_seed(seed_for(params[r].seed, len(output_ids[r])))
             noise[r] = exponential_noise(probs.shape[-1], g, dev)
-        return draw(probs, noise)                                            # [R]
+        return noise
+
+    def sample(self, probs: torch.Tensor, params, output_ids) -> torch.Tensor:
+        "One token per row of `probs` [R, V]: greedy rows argmax, seeded ones by (seed, position)."
+        return draw(probs, self.noise(probs, params, output_ids))           # [R]
+
+    def logprobs(self, logits: torch.Tensor, params, token_ids: list[int]) -> list[dict | None]:
+        "Per row that asked: the raw top-k logprobs and the chosen token's, most likely first."
+        logprobs = [None] * len(params)
+        if rows := _rows(params, lambda p: p.logprobs is not None):
+            raw = logits[rows].float().log_softmax(dim=-1)                   # [R', V], unprocessed
+            k = min(max(params[r].logprobs for r in rows), raw.shape[-1])
+            top_lp, top_ids = raw.topk(k, dim=-1) if k else (raw[:, :0], raw[:, :0].long())
+            chosen_ids = torch.tensor([token_ids[r] for r in rows], device=raw.device)
+            chosen = raw.gather(-1, chosen_ids.unsqueeze(-1))[:, 0].tolist()
+            for i, r in enumerate(rows):
+                k_row = params[r].logprobs
+                row_logprobs = dict(zip(top_ids[i, :k_row].tolist(), top_lp[i, :k_row].tolist()))
+                row_logprobs.setdefault(token_ids[r], chosen[i])
+                logprobs[r] = dict(sorted(row_logprobs.items(), key=lambda kv: -kv[1]))
+        return logprobs
 
     def __call__(self, logits, params, prompt_ids, output_ids, stop_ids=None) -> SamplerOutput:
         "Sample one token per row; see the class docstring for the exact signature."
         assert logits.dim() == 2, logits.shape
         assert logits.shape[0] == len(params) == len(prompt_ids) == len(output_ids), logits.shape
         probs = self.probs(logits, params, prompt_ids, output_ids, stop_ids)
-        tokens = self.sample(probs, params, output_ids)                      # [R]
-        token_ids = tokens.tolist()
-        logprobs = [None] * len(params)
-        if rows := _rows(params, lambda p: p.logprobs is not None):
-            raw = logits[rows].float().log_softmax(dim=-1)                   # [R', V], unprocessed
-            k = min(max(params[r].logprobs for r in rows), raw.shape[-1])
-            top_lp, top_ids = raw.topk(k, dim=-1) if k else (raw[:, :0], raw[:, :0].long())
-            chosen = raw.gather(-1, tokens[rows].unsqueeze(-1))[:, 0].tolist()
-            for i, r in enumerate(rows):
-                k_row = params[r].logprobs
-                row_logprobs = dict(zip(top_ids[i, :k_row].tolist(), top_lp[i, :k_row].tolist()))
-                row_logprobs.setdefault(token_ids[r], chosen[i])
-                logprobs[r] = dict(sorted(row_logprobs.items(), key=lambda kv: -kv[1]))
-        return SamplerOutput(token_ids, logprobs)
+        token_ids = self.sample(probs, params, output_ids).tolist()         # [R]
+        return SamplerOutput(token_ids, self.logprobs(logits, params, token_ids))

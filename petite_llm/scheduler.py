@@ -39,6 +39,7 @@ class Sequence:
         self.num_computed_tokens = 0   # tokens whose K/V are in the cache
         self.num_cached_tokens = 0     # of those, found in the prefix cache at the last admission
         self.block_table: list[int] = []
+        self.spec_token_ids: list[int] = []   # drafts its next decode verifies (chapter 15)
         self.arrival = -1              # set by Scheduler.add: first come, first served
         self.status = SequenceStatus.WAITING
         self.finish_reason: str | None = None       # 'stop' | 'length' | 'abort'
@@ -66,6 +67,11 @@ class Sequence:
         "Sort key, smaller runs first: higher priority, then earlier arrival."
         return (-self.priority, self.arrival)
 
+    @property
+    def is_decoding(self) -> bool:
+        "True when its next step is a decode: it has output tokens and only the last is uncomputed."
+        return self.num_output_tokens > 0 and self.num_computed_tokens == self.num_tokens - 1
+
     def __repr__(self):
         return (f"Sequence({self.seq_id}, {self.status.value}, "
                 f"tokens={self.num_prompt_tokens}+{self.num_output_tokens}, "
@@ -76,10 +82,11 @@ class Sequence:
 class SchedulerOutput:
     "One step's work: who computes how many tokens (decodes first), who samples, who was preempted."
     seqs: list[Sequence]
-    num_new_tokens: list[int]
-    num_computed_tokens: list[int]   # tokens already in the cache for each, before this step
-    do_sample: list[bool]            # the step reaches the sequence's last token: sample the next
-    num_decodes: int                 # the first num_decodes sequences compute exactly one token
+    num_new_tokens: list[int]          # a decode's count includes the drafts it verifies
+    num_computed_tokens: list[int]     # tokens already in the cache for each, before this step
+    spec_token_ids: list[list[int]]    # the drafts each verifies after its last token (mostly [])
+    do_sample: list[bool]              # the step reaches the sequence's last token (and drafts)
+    num_decodes: int                   # the first num_decodes sequences compute exactly one token
     preempted_ids: list[int]
 
     @property
@@ -94,15 +101,23 @@ class SchedulerOutput:
 
     @property
     def input_ids(self) -> list[int]:
-        "The flat batch: each sequence's new token ids, in order."
-        rows = zip(self.seqs, self.num_computed_tokens, self.num_new_tokens)
-        return [t for seq, done, new in rows for t in seq.token_ids[done:done + new]]
+        "The flat batch: each sequence's new token ids, then the drafts it verifies, in order."
+        ids = []
+        rows = zip(self.seqs, self.num_computed_tokens, self.num_new_tokens, self.spec_token_ids)
+        for seq, done, new, drafts in rows:
+            # a step that runs past the last token runs the drafts after it
+            ids += seq.token_ids[done:done + new] + drafts[:max(done + new - seq.num_tokens, 0)]
+        return ids
 
     @property
     def logits_indices(self) -> list[int]:
-        "Rows of the flat batch whose logits are needed: the last new token of each that samples."
-        ends = itertools.accumulate(self.num_new_tokens)
-        return [end - 1 for end, samples in zip(ends, self.do_sample) if samples]
+        "Rows whose logits are needed: per sequence that samples, its last token's and its drafts'."
+        indices, end = [], 0
+        for new, drafts, samples in zip(self.num_new_tokens, self.spec_token_ids, self.do_sample):
+            end += new
+            if samples:
+                indices += range(end - 1 - len(drafts), end)
+        return indices
 
     def __len__(self):
         return len(self.seqs)
@@ -141,6 +156,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.seqs: dict[int, Sequence] = {}   # every unfinished sequence, by id
         self.num_preemptions = 0
+        self._preempted: list[int] = []       # preempted since the last schedule() returned
         self._arrivals = itertools.count()
 
     def add(self, seq: Sequence):
@@ -173,9 +189,23 @@ class Scheduler:
         self.block_manager.free(seq)
         self.running.remove(seq)
         seq.num_computed_tokens, seq.status = 0, SequenceStatus.WAITING
+        seq.spec_token_ids = []               # proposed afresh when it decodes again
         seq.num_preemptions += 1
         self.num_preemptions += 1
+        self._preempted.append(seq.seq_id)
         bisect.insort(self.waiting, seq, key=lambda s: s.urgency)
+
+    def _make_room(self, seq: Sequence, fits, scheduled: dict[Sequence, int]) -> bool:
+        "Preempt the least urgent running sequences until fits(); False if seq must wait."
+        while not fits():
+            victim = max(self.running, key=lambda s: s.urgency, default=None)
+            if victim is None or victim.urgency < seq.urgency:
+                return False                      # only less urgent ones give way
+            scheduled.pop(victim, None)           # its tokens leave this step's batch
+            self._preempt(victim)
+            if victim is seq:
+                return False
+        return True
 
     def _sibling_prefilling(self, seq: Sequence) -> bool:
         "True while another sample of seq's prompt still computes the blocks it could share."
@@ -187,67 +217,84 @@ class Scheduler:
         return any(s.group_id == seq.group_id and s.num_computed_tokens < shareable
                    for s in self.running)
 
+    def _num_new_tokens(self, seq: Sequence, budget: int) -> int:
+        "Tokens seq computes this step: a prefill chunk, or its decode with all its drafts (or 0)."
+        if seq.is_decoding:
+            # the last token and every draft after it, or nothing this step: a verify never splits
+            num_new = 1 + len(seq.spec_token_ids)
+            return num_new if num_new <= budget else 0
+        # a recompute after preemption stops before the last token, which then runs as a decode
+        end = seq.num_tokens - 1 if seq.num_output_tokens else seq.num_tokens
+        return min(end - seq.num_computed_tokens, budget)
+
     def schedule(self) -> SchedulerOutput:
         "Pick this step's work within the token budget and sequence cap: running, then admissions."
         bm = self.block_manager
-        budget = self.max_num_batched_tokens
         scheduled: dict[Sequence, int] = {}   # sequence -> new tokens it computes this step
-        preempted: list[int] = []
 
-        def make_room(seq, fits) -> bool:
-            "Preempt the least urgent running sequences until fits(); False if seq must wait."
-            nonlocal budget
-            while not fits():
-                victim = max(self.running, key=lambda s: s.urgency, default=None)
-                if victim is None or victim.urgency < seq.urgency:
-                    return False                  # only less urgent ones give way
-                budget += scheduled.pop(victim, 0)
-                self._preempt(victim)
-                preempted.append(victim.seq_id)
-                if victim is seq:
-                    return False
-            return True
+        def budget() -> int:
+            return self.max_num_batched_tokens - sum(scheduled.values())
 
         def decodes_first(seq):
             return (seq.num_tokens - seq.num_computed_tokens > 1, seq.urgency)
 
-        # 1. running sequences: decodes (one token left to compute) first, then unfinished
-        #    prefills; urgent first
+        # 1. running sequences: decodes (one token left to compute, and its drafts) first, then
+        #    unfinished prefills; urgent first
         for seq in sorted(self.running, key=decodes_first):
-            if budget == 0:
+            if budget() == 0:
                 break
             if seq.status is not SequenceStatus.RUNNING:
                 continue                          # preempted a moment ago
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            if make_room(seq, lambda: bm.can_append(seq, num_new)):
+            num_new = self._num_new_tokens(seq, budget())
+            if num_new and self._make_room(seq, lambda: bm.can_append(seq, num_new), scheduled):
                 bm.append_slots(seq, num_new)
                 scheduled[seq] = num_new
-                budget -= num_new
         # 2. admissions, most urgent first; the first that cannot be admitted stops the rest
         #    (no overtaking)
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        while self.waiting and budget() > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            if seq.seq_id in preempted or self._sibling_prefilling(seq):
+            if seq.seq_id in self._preempted or self._sibling_prefilling(seq):
                 break                             # no preempt-and-readmit in one step
-            if not make_room(seq, lambda: bm.can_allocate(seq)):
+            if not self._make_room(seq, lambda: bm.can_allocate(seq), scheduled):
                 break
             self.waiting.pop(0)
             seq.num_cached_tokens = bm.allocate(seq)
             seq.num_computed_tokens = seq.num_cached_tokens   # computing starts after the hits
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            scheduled[seq] = num_new
-            budget -= num_new
+            # a recompute whose hits reach its last token has nothing to do before its decode
+            if num_new := self._num_new_tokens(seq, budget()):
+                scheduled[seq] = num_new
 
         order = sorted(scheduled, key=lambda s: scheduled[s] != 1)   # stable: decodes, then chunks
         num_new_tokens = [scheduled[seq] for seq in order]
         num_computed_tokens = [seq.num_computed_tokens for seq in order]
-        do_sample = [done + new == seq.num_tokens
-                     for seq, done, new in zip(order, num_computed_tokens, num_new_tokens)]
-        return SchedulerOutput(order, num_new_tokens, num_computed_tokens, do_sample,
-                               num_decodes=sum(new == 1 for new in num_new_tokens),
+        spec_token_ids = [list(seq.spec_token_ids) if seq.is_decoding else [] for seq in order]
+        do_sample = [done + new == seq.num_tokens + len(drafts) for seq, done, new, drafts
+                     in zip(order, num_computed_tokens, num_new_tokens, spec_token_ids)]
+        preempted, self._preempted = self._preempted, []
+        return SchedulerOutput(order, num_new_tokens, num_computed_tokens, spec_token_ids,
+                               do_sample, num_decodes=sum(new == 1 for new in num_new_tokens),
                                preempted_ids=preempted)
+
+    def reserve(self, seq: Sequence, num_tokens: int) -> bool:
+        "Slots for seq's next num_tokens tokens before schedule(), preempting less urgent ones."
+        # False: seq itself was preempted. A draft model writes its K/V ahead of the verify step.
+        if not self._make_room(seq, lambda: self.block_manager.can_append(seq, num_tokens), {}):
+            return False
+        self.block_manager.append_slots(seq, num_tokens)
+        return True
+
+    def awaiting_drafts(self) -> list[Sequence]:
+        "Running sequences whose next step is a decode without drafts yet, most urgent first."
+        decoding = [seq for seq in self.running if seq.is_decoding and not seq.spec_token_ids]
+        return sorted(decoding, key=lambda s: s.urgency)
+
+    def max_drafts(self, seq: Sequence, num_speculative_tokens: int) -> int:
+        "Drafts seq's next decode may verify: none past max_tokens or max_model_len, within budget."
+        room = min(seq.sampling_params.max_tokens - seq.num_output_tokens,
+                   self.max_model_len - seq.num_tokens, self.max_num_batched_tokens) - 1
+        return max(0, min(num_speculative_tokens, room))
 
     def _stop(self, seq: Sequence) -> str | None:
         "Why seq stops after its newest token, or None: a stop token, max_tokens, max_model_len."
@@ -262,19 +309,26 @@ class Scheduler:
 
     def update(self, out: SchedulerOutput, sampled) -> list[Sequence]:
         "Record a step: advance, append sampled tokens, hash full blocks; return who finished."
-        # sampled: {seq_id: token or list of tokens}, or a list in the order of out.sampling_seqs
+        # sampled: {seq_id: token or list of tokens}, or a list in the order of out.sampling_seqs;
+        # a sequence that verified d drafts gets its accepted drafts and one token more
         if not isinstance(sampled, dict):
             sampled = dict(zip([seq.seq_id for seq in out.sampling_seqs], sampled))
         finished = []
-        rows = zip(out.seqs, out.num_computed_tokens, out.num_new_tokens, out.do_sample)
-        for seq, done, new, samples in rows:
+        rows = zip(out.seqs, out.num_computed_tokens, out.num_new_tokens, out.spec_token_ids,
+                   out.do_sample)
+        for seq, done, new, drafts, samples in rows:
             if seq.status is not SequenceStatus.RUNNING:
                 continue                          # aborted or finished since schedule()
             seq.num_computed_tokens = done + new
             reason = None
             if samples:
                 tokens = sampled[seq.seq_id]
-                for token in (tokens if isinstance(tokens, (list, tuple)) else [tokens]):
+                tokens = list(tokens) if isinstance(tokens, (list, tuple)) else [tokens]
+                assert 1 <= len(tokens) <= len(drafts) + 1, (seq.seq_id, tokens, drafts)
+                # rejected drafts: their K/V is stale, computed over when their positions come
+                seq.num_computed_tokens -= len(drafts) + 1 - len(tokens)
+                seq.spec_token_ids = []
+                for token in tokens:
                     seq.token_ids.append(int(token))
                     reason = self._stop(seq)
                     if reason:
@@ -333,20 +387,38 @@ class FakeModel:
         block = seq.block_table[position // self.block_size]
         return block * self.block_size + position % self.block_size
 
-    def step(self, out: SchedulerOutput) -> dict[int, int]:
-        "Run one step: store the new tokens, check what each sampling sequence reads, sample."
+    def step(self, out: SchedulerOutput) -> dict[int, list[int]]:
+        "One step: store the new tokens, check what each sampling sequence reads, verify, sample."
         sampled = {}
-        rows = zip(out.seqs, out.num_computed_tokens, out.num_new_tokens, out.do_sample)
-        for seq, done, new, samples in rows:
+        rows = zip(out.seqs, out.num_computed_tokens, out.num_new_tokens, out.spec_token_ids,
+                   out.do_sample)
+        for seq, done, new, drafts, samples in rows:
             assert len(seq.block_table) * self.block_size >= done + new, f"seq {seq.seq_id}"
+            tokens = seq.token_ids + drafts       # what this step's positions hold
             for p in range(done, done + new):
-                self.slots[self.slot(seq, p)] = (seq.token_ids[p], p)
+                self.slots[self.slot(seq, p)] = (tokens[p], p)
             if samples:
                 context = [self.slots.get(self.slot(seq, p)) for p in range(done + new)]
-                expected = [(t, p) for p, t in enumerate(seq.token_ids)]
+                expected = [(t, p) for p, t in enumerate(tokens)]
                 assert context == expected, f"seq {seq.seq_id} reads a corrupted context"
-                sampled[seq.seq_id] = self.next_token(seq.token_ids)
+                sampled[seq.seq_id] = self.verify(seq.token_ids, drafts)
         return sampled
+
+    def verify(self, token_ids, drafts) -> list[int]:
+        "Greedy verification: the drafts next_token agrees with, then its own next token."
+        tokens = []
+        for draft in drafts + [None]:             # None: past the drafts, nothing to agree with
+            tokens.append(self.next_token(token_ids + tokens))
+            if tokens[-1] != draft:
+                return tokens
+
+    def propose(self, seq: Sequence, num_drafts: int) -> list[int]:
+        "Drafts for seq: its true continuation, wrong from a point that depends on the context."
+        drafts, num_right = [], hash(tuple(seq.token_ids)) % (num_drafts + 1)
+        for j in range(num_drafts):
+            token = self.next_token(seq.token_ids + drafts)
+            drafts.append(token if j < num_right else (token + 1) % self.vocab_size)
+        return drafts
 
     def alone(self, seq: Sequence, max_model_len: int, eos_token_ids=()) -> tuple[list[int], str]:
         "The output tokens and finish reason of `seq` run alone, under the scheduler's stop rules."

@@ -275,8 +275,8 @@ def test_logprobs_match_transformers(f64):
 
 
 @pytest.fixture(scope="module")
-def qwen3_text(tmp_path_factory):
-    "A random-weight Qwen3 (float64) with the real Qwen3 tokenizer, so that outputs carry text."
+def qwen3_text_path(tmp_path_factory):
+    "A random-weight Qwen3 folder (float64) with the real Qwen3 tokenizer: outputs carry text."
     qwen3_tokenizer = pytest.importorskip("qwen3_tokenizer")
     path = tmp_path_factory.mktemp("qwen3_text")
     try:
@@ -286,7 +286,13 @@ def qwen3_text(tmp_path_factory):
     _checkpoint(path, torch.float64, vocab_size=151936, hidden_size=32, intermediate_size=64,
                 num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True,
                 bos_token_id=151643, eos_token_id=151645, initializer_range=0.5)
-    return LLM(path, block_size=8, kv_cache_memory=64 * 2**20)
+    return path
+
+
+@pytest.fixture(scope="module")
+def qwen3_text(qwen3_text_path):
+    "The engine over qwen3_text_path."
+    return LLM(qwen3_text_path, block_size=8, kv_cache_memory=64 * 2**20)
 
 
 def test_text_stop_strings_chat_and_stream(qwen3_text):

@@ -31,24 +31,30 @@ def check_invariants(sched):
     assert set(sched.seqs) == {s.seq_id for s in sched.running + sched.waiting}
 
 
-def drive(sched, model, arrivals, aborts, check_order=True):
-    """Run until every request finished, checking invariants and budgets every step.
-    Returns the finished sequences, the steps after the last arrival, and all steps."""
-    finished, step, after = {}, 0, 0
+def drive(sched, model, arrivals, aborts, check_order=True, num_speculative_tokens=0):
+    """Run until every request finished, checking invariants and budgets every step; with
+    num_speculative_tokens, decodes verify the fake model's drafts (right for a while, then wrong).
+    Returns the finished sequences, the steps after the last arrival, all steps, drafts verified."""
+    finished, step, after, verified = {}, 0, 0, 0
     while step < len(arrivals) or sched.has_unfinished_requests():
         for seq in (arrivals[step] if step < len(arrivals) else []):
             sched.add(seq)
         if step in aborts and sched.seqs:
             victim = sorted(sched.seqs)[aborts[step] % len(sched.seqs)]
             finished[victim] = sched.abort(victim)
+        for seq in sched.awaiting_drafts():
+            seq.spec_token_ids = model.propose(seq, sched.max_drafts(seq, num_speculative_tokens))
         waiting_before, had_work = set(map(id, sched.waiting)), sched.has_unfinished_requests()
         out = sched.schedule()
         check_invariants(sched)
         assert out.num_batched_tokens <= sched.max_num_batched_tokens
         assert all(n >= 1 for n in out.num_new_tokens)
-        assert len(out) > 0 or not had_work, "unfinished requests but nothing scheduled: a stall"
+        # a recompute whose prefix hits reach its last token is admitted and computes nothing
+        admitted = [s for s in sched.running if id(s) in waiting_before]
+        assert len(out) > 0 or admitted or not had_work, "requests left, nothing done: a stall"
         assert len(out.input_ids) == out.num_batched_tokens
-        assert len(out.logits_indices) == len(out.sampling_seqs)
+        assert len(out.logits_indices) == sum(len(d) + 1 for d, samples
+                                              in zip(out.spec_token_ids, out.do_sample) if samples)
         assert out.num_decodes == sum(n == 1 for n in out.num_new_tokens)
         assert all(n == 1 for n in out.num_new_tokens[:out.num_decodes])
         scheduled_ids = {s.seq_id for s in out.seqs}
@@ -58,13 +64,14 @@ def drive(sched, model, arrivals, aborts, check_order=True):
             admitted = [s for s in out.seqs if id(s) in waiting_before]
             if admitted and sched.waiting:
                 assert max(s.urgency for s in admitted) < min(s.urgency for s in sched.waiting)
+        verified += sum(map(len, out.spec_token_ids))
         for seq in sched.update(out, model.step(out)):
             finished[seq.seq_id] = seq
         check_invariants(sched)
         step += 1
         after += step > len(arrivals)
     assert sched.block_manager.num_used_blocks == 0 and not sched.running and not sched.waiting
-    return finished, after, step
+    return finished, after, step, verified
 
 
 def make_stream(rng, n, vocab, prefixes, max_prompt, max_out, groups):
@@ -85,7 +92,8 @@ def make_stream(rng, n, vocab, prefixes, max_prompt, max_out, groups):
     return reqs
 
 
-def run_stream(seed, block_size, extra_blocks, budget, max_num_seqs, prefix_caching, groups):
+def run_stream(seed, block_size, extra_blocks, budget, max_num_seqs, prefix_caching, groups,
+               num_speculative_tokens=0):
     "One random request stream through a scheduler, checked every step; returns its counters."
     rng = random.Random(seed)
     vocab, max_prompt, max_out, max_model_len = 23, 30, 20, 40
@@ -101,7 +109,8 @@ def run_stream(seed, block_size, extra_blocks, budget, max_num_seqs, prefix_cach
     for r in reqs:
         arrivals[rng.randrange(len(arrivals))].append(r)
     aborts = {rng.randrange(60): rng.randrange(100) for _ in range(rng.choice([0, 0, 2]))}
-    finished, after, steps = drive(sched, model, arrivals, aborts, check_order=not groups)
+    finished, after, steps, verified = drive(sched, model, arrivals, aborts, not groups,
+                                             num_speculative_tokens)
     assert set(finished) == {r.seq_id for r in reqs}
     for r in reqs:
         assert r.status is SequenceStatus.FINISHED
@@ -111,35 +120,41 @@ def run_stream(seed, block_size, extra_blocks, budget, max_num_seqs, prefix_cach
     # once arrivals stop, everything finishes within a bounded number of steps (recompute included)
     work = sum(r.num_prompt_tokens + r.sampling_params.max_tokens for r in reqs)
     assert after <= 2 * work + 10
-    return Counter(steps=steps, preemptions=sched.num_preemptions, prefix_hits=bm.num_hit_tokens)
+    return Counter(steps=steps, preemptions=sched.num_preemptions, prefix_hits=bm.num_hit_tokens,
+                   drafts_verified=verified)
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
 @given(seed=st.integers(0, 2**32 - 1), block_size=st.sampled_from([1, 2, 4, 8]),
        extra_blocks=st.integers(0, 6), budget=st.integers(4, 40), max_num_seqs=st.integers(1, 8),
-       prefix_caching=st.booleans(), groups=st.booleans())
+       prefix_caching=st.booleans(), groups=st.booleans(),
+       num_speculative_tokens=st.sampled_from([0, 0, 1, 4]))
 def test_random_streams(seed, block_size, extra_blocks, budget, max_num_seqs, prefix_caching,
-                        groups):
-    run_stream(seed, block_size, extra_blocks, budget, max_num_seqs, prefix_caching, groups)
+                        groups, num_speculative_tokens):
+    run_stream(seed, block_size, extra_blocks, budget, max_num_seqs, prefix_caching, groups,
+               num_speculative_tokens)
 
 
 # test_many_steps_were_run draws this many streams as the property test does, and needs at least
-# the original bar: thousands of steps, dozens of preemptions, a hundred prefix-hit tokens
-STREAMS, MIN_STEPS, MIN_PREEMPTIONS, MIN_PREFIX_HITS = 60, 2000, 50, 100
+# the original bar: thousands of steps, dozens of preemptions, a hundred prefix-hit tokens, and
+# hundreds of drafts verified
+STREAMS, MIN_STEPS, MIN_PREEMPTIONS, MIN_PREFIX_HITS, MIN_DRAFTS = 60, 2000, 50, 100, 300
 
 
 def test_many_steps_were_run():
-    "The streams the property test draws from run many steps, preempt and hit the prefix cache."
+    "The streams the property test draws run many steps, preempt, hit the prefix cache, speculate."
     rng = random.Random(0)
     totals = Counter()
     for _ in range(STREAMS):
         totals += run_stream(seed=rng.randrange(2**32), block_size=rng.choice([1, 2, 4, 8]),
                              extra_blocks=rng.randint(0, 6), budget=rng.randint(4, 40),
                              max_num_seqs=rng.randint(1, 8), prefix_caching=rng.random() < 0.5,
-                             groups=rng.random() < 0.5)
+                             groups=rng.random() < 0.5,
+                             num_speculative_tokens=rng.choice([0, 0, 3]))
     print(f"{STREAMS} streams: {dict(totals)}")
     assert totals['steps'] > MIN_STEPS and totals['preemptions'] > MIN_PREEMPTIONS, totals
     assert totals['prefix_hits'] > MIN_PREFIX_HITS, totals
+    assert totals['drafts_verified'] > MIN_DRAFTS, totals
 
 
 def _sched(num_blocks=16, bs=4, budget=32, seqs=8, max_model_len=64, **kw):
@@ -239,13 +254,76 @@ def test_stop_rules():
     assert (s.output_token_ids, s.finish_reason) == ([4, 4], 'length')
 
 
-def test_update_accepts_several_tokens_and_stops_midway():
-    sched, _ = _sched()
+def test_verify_step_takes_accepted_drafts_and_stops_midway():
+    "A decode with drafts computes them all; the tokens after a stop among them are dropped."
+    sched, model = _sched()
     sched.add(Sequence(0, [1, 2], SamplingParams(max_tokens=10)))
+    _step(sched, model)                               # the prefill samples the first token
+    seq = sched.seqs[0]
+    seq.spec_token_ids = [5, 6, EOS]
     out = sched.schedule()
-    # e.g. accepted drafts: the tokens after a stop are dropped
+    assert out.num_new_tokens == [4] and out.num_decodes == 0 and out.logits_indices == [0, 1, 2, 3]
+    assert out.input_ids == [seq.token_ids[-1], 5, 6, EOS] and out.spec_token_ids == [[5, 6, EOS]]
     [s] = sched.update(out, {0: [5, 6, EOS, 8]})
-    assert s.output_token_ids == [5, 6, EOS] and s.finish_reason == 'stop'
+    assert s.output_token_ids[1:] == [5, 6, EOS] and s.finish_reason == 'stop'
+
+
+def test_rejected_drafts_roll_back_and_are_never_hashed():
+    sched, model = _sched(bs=4)
+    sched.add(Sequence(0, [1, 2, 3], SamplingParams(max_tokens=20, ignore_eos=True)))
+    _step(sched, model)                               # 3 prompt tokens computed, 1 output token
+    seq, bm = sched.seqs[0], sched.block_manager
+    seq.spec_token_ids = [7, 8, 9, 10]
+    out = sched.schedule()                            # positions 3..7: two blocks
+    assert out.num_new_tokens == [5] and len(seq.block_table) == 2
+    sched.update(out, {0: [7, 11]})                   # 7 accepted, 8 rejected: 11 instead
+    assert seq.output_token_ids[1:] == [7, 11] and seq.num_computed_tokens == 5
+    # block 0 holds 4 computed tokens; block 1 holds 7 and stale drafts: not in the prefix cache
+    assert bm.blocks[seq.block_table[0]].hash is not None
+    assert bm.blocks[seq.block_table[1]].hash is None
+    out = sched.schedule()                            # the next decode reuses the stale slots
+    assert out.num_computed_tokens == [5] and out.num_new_tokens == [1]
+    assert len(seq.block_table) == 2
+
+
+def test_verify_is_scheduled_whole_or_waits():
+    "A decode whose drafts do not fit this step's budget waits, whole, while others run."
+    sched, model = _sched(budget=8, num_blocks=32)
+    for i in range(2):
+        sched.add(Sequence(i, [1 + i, 2, 3], SamplingParams(max_tokens=20, ignore_eos=True)))
+    _step(sched, model)
+    a, b = sched.seqs[0], sched.seqs[1]
+    a.spec_token_ids, b.spec_token_ids = [4, 4, 4], [5] * 6     # 4 + 7 tokens > budget 8
+    out = sched.schedule()
+    assert [s.seq_id for s in out.seqs] == [0] and b.spec_token_ids == [5] * 6
+    sched.update(out, model.step(out))
+    out = sched.schedule()
+    assert [s.seq_id for s in out.seqs] == [0, 1] and out.num_new_tokens == [1, 7]
+    assert sched.max_drafts(a, 20) == 7                # the budget caps a proposal
+    assert sched.max_drafts(Sequence(9, [1], SamplingParams(max_tokens=3)), 5) == 2
+
+
+def test_preemption_drops_drafts_and_recomputes_all_but_the_last_token():
+    sched, model = _sched(num_blocks=5, budget=16, seqs=4, bs=4)
+    low = Sequence(0, list(range(1, 9)), SamplingParams(max_tokens=8, ignore_eos=True))
+    sched.add(low)
+    for _ in range(2):
+        _step(sched, model)
+    low.spec_token_ids = model.propose(low, 2)
+    high = Sequence(1, list(range(20, 32)), SamplingParams(max_tokens=2, ignore_eos=True),
+                    priority=1)
+    sched.add(high)
+    out = sched.schedule()
+    assert out.preempted_ids == [0] and low.spec_token_ids == []
+    while sched.has_unfinished_requests() and low.status is not SequenceStatus.RUNNING:
+        _step(sched, model)
+    # back in: it computes its tokens up to the last one, which then runs as a decode
+    assert low.num_computed_tokens <= low.num_tokens - 1
+    while not low.is_decoding:
+        _step(sched, model)
+    while sched.has_unfinished_requests():
+        _step(sched, model)
+    assert low.output_token_ids == model.alone(low, 64, [EOS])[0]
 
 
 def test_abort_and_finish_free_everything():
