@@ -188,18 +188,6 @@ class BlockManager:
             # an identical block already cached keeps its entry
             self.cached.setdefault(h, block.block_id)
 
-    def truncate(self, seq, num_tokens: int):
-        "Keep seq's blocks for its first num_tokens tokens; a block left partial loses its hash."
-        keep = cdiv(num_tokens, self.block_size)
-        self._release(seq.block_table[keep:])
-        del seq.block_table[keep:]
-        if num_tokens % self.block_size and keep:
-            block = self.blocks[seq.block_table[-1]]
-            assert block.ref_count == 1 or block.hash is None, "truncating into a shared block"
-            if block.hash is not None and self.cached.get(block.hash) == block.block_id:
-                del self.cached[block.hash]
-            block.hash, block.token_ids = None, ()
-
     def free(self, seq):
         "Drop seq's references to its blocks; blocks nobody uses stay revivable until reused."
         self._release(seq.block_table)
