@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from .config import DTYPES, parse_dtype
-from .engine import PackedLinear, packed_linear_available
+from .layers.linear import PackedLinear, packed_linear_available
 
 # %% auto #0
 __all__ = ['SHAPES', 'FULL', 'QUICK', 'as_dtype', 'dtype_name', 'shape_config', 'default_cache_dir', 'make_random_checkpoint',
@@ -27,6 +27,12 @@ SHAPES = {
                        head_dim=128, rope_theta=1_000_000.0, max_position_embeddings=40960,
                        rms_norm_eps=1e-6, tie_word_embeddings=True,
                        bos_token_id=151643, eos_token_id=151645),
+    # Qwen/Qwen3-8B's config.json: the GPU roofline cell's model
+    'qwen3-8b': dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288,
+                     num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
+                     head_dim=128, rope_theta=1_000_000.0, max_position_embeddings=40960,
+                     rms_norm_eps=1e-6, tie_word_embeddings=False,
+                     bos_token_id=151643, eos_token_id=151645),
     # the same family at toy size: smoke tests and this chapter's unflagged cells run it in seconds
     'tiny': dict(vocab_size=4096, hidden_size=256, intermediate_size=768,
                  num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,

@@ -21,7 +21,7 @@ from tqdm.auto import tqdm
 
 from .config import parse_dtype
 from .backends import AttentionBackend, AttentionMetadata, TorchAttentionBackend
-from .layers.linear import PackedLinear, packed_linear_available, prepack_linears
+from .layers.linear import prepack_linears
 from .paging import (BlockManager, allocate_kv_cache, cdiv, kv_bytes_per_block,
                                num_kv_blocks)
 from .sampling import Sampler, SamplingParams
