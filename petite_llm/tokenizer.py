@@ -22,7 +22,7 @@ from .config import read_gguf_metadata
 # %% auto #0
 __all__ = ['BYTE_TO_CHAR', 'QWEN2_SPLIT', 'PRE_TOKENIZERS', 'SPECIAL_TOKEN_NAMES', 'bytes_to_unicode', 'spell_bytes',
            'load_tiktoken_ranks', 'merges_from_ranks', 'byte_level_bpe', 'tokenizer_from_tiktoken', 'Tokenizer',
-           'compile_chat_template', 'IncrementalDetokenizer']
+           'compile_chat_template', 'IncrementalDetokenizer', 'ThinkSplitter', 'think_and_answer', 'split_reasoning']
 
 # %% ../nbs/07_tokenizer.ipynb #f6cf0a13
 def bytes_to_unicode() -> dict[int, str]:
@@ -374,3 +374,46 @@ class IncrementalDetokenizer:
             return ''
         self.held += self._new_text(final=True)
         return self._emit(final=True)
+
+# %% ../nbs/07_tokenizer.ipynb #88564895
+class ThinkSplitter:
+    "Split a reply, fed as text deltas, into 'think' and 'answer' pieces at <think> / </think>."
+    OPEN, CLOSE = '<think>', '</think>'
+
+    def __init__(self):
+        self.thinking, self.buf = False, ''
+
+    def feed(self, delta: str) -> list[tuple[str, str]]:
+        "Take a text delta; return the pieces now certain, each tagged 'think' or 'answer'."
+        self.buf += delta
+        out = []
+        while True:
+            kind, tag = ('think', self.CLOSE) if self.thinking else ('answer', self.OPEN)
+            if (i := self.buf.find(tag)) >= 0:
+                if i:
+                    out.append((kind, self.buf[:i]))
+                self.buf, self.thinking = self.buf[i + len(tag):], not self.thinking
+                continue
+            # hold back a tail that could still become the tag
+            keep = max((k for k in range(1, len(tag)) if self.buf.endswith(tag[:k])), default=0)
+            if len(self.buf) > keep:
+                out.append((kind, self.buf[:len(self.buf) - keep]))
+            self.buf = self.buf[len(self.buf) - keep:]
+            return out
+
+    def finish(self) -> list[tuple[str, str]]:
+        "Whatever is still held back, at the end of the reply."
+        out = [('think' if self.thinking else 'answer', self.buf)] if self.buf else []
+        self.buf = ''
+        return out
+
+def think_and_answer(pieces: list[tuple[str, str]]) -> tuple[str, str]:
+    "ThinkSplitter pieces joined by kind: (the reasoning text, the answer text)."
+    return (''.join(text for kind, text in pieces if kind == 'think'),
+            ''.join(text for kind, text in pieces if kind == 'answer'))
+
+def split_reasoning(text: str) -> tuple[str | None, str]:
+    "A whole reply as (its reasoning, or None if it has none; its answer), split by ThinkSplitter."
+    splitter = ThinkSplitter()
+    reasoning, answer = think_and_answer(splitter.feed(text) + splitter.finish())
+    return reasoning or None, answer

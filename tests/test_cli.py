@@ -8,7 +8,7 @@ from contextlib import redirect_stderr, redirect_stdout
 
 import pytest
 
-from petite_llm.cli import ThinkSplitter, build_parser, main
+from petite_llm.cli import build_parser, main
 
 
 def run(argv, stdin=None, monkeypatch=None):
@@ -30,7 +30,8 @@ def test_demo_answers_paris():
     assert 'tok/s' not in out
 
 
-@pytest.mark.parametrize('argv', [['--help'], ['generate', '--help'], ['chat', '--help']])
+@pytest.mark.parametrize('argv', [['--help'], ['generate', '--help'], ['chat', '--help'],
+                                  ['bench', 'serve', '--help']])
 def test_help(argv):
     code, out, _ = run(argv)
     assert code == 0 and 'usage: petite-llm' in out
@@ -78,20 +79,12 @@ def test_missing_model_is_a_clear_error(tmp_path):
     assert code == 1 and 'error' in err and 'Traceback' not in err
 
 
-def test_think_splitter_handles_split_tags():
-    text = '<think>\nhmm, France.\n</think>\n\nParis.'
-    for chunks in ([text], list(text), [text[:3], text[3:12], text[12:30], text[30:]]):
-        s = ThinkSplitter()
-        pieces = [p for c in chunks for p in s.feed(c)] + s.finish()
-        assert ''.join(t for k, t in pieces if k == 'think') == '\nhmm, France.\n'
-        assert ''.join(t for k, t in pieces if k == 'answer') == '\n\nParis.'
-
-
 def test_parser_has_the_subcommands():
     p = build_parser()
     a = p.parse_args(['generate', '--chat', '--seed', '3', '--stop', 'x', '--stop', 'y', 'a', 'b'])
     assert a.prompt == ['a', 'b'] and a.stop == ['x', 'y'] and a.seed == 3 and a.chat
     assert p.parse_args(['bench', '--quick', '--out', 'x']).args == ['--quick', '--out', 'x']
+    assert p.parse_args(['bench', 'serve', '--requests', '3']).args == ['serve', '--requests', '3']
     a = p.parse_args(['top', '--url', 'http://h:1', '--interval', '0.5', '--once'])
     assert a.url == 'http://h:1' and a.interval == 0.5 and a.once and a.api_key is None
 

@@ -17,7 +17,7 @@ import transformers
 
 from petite_llm.engine import LLM, LLMEngine
 from petite_llm.sampling import SamplingParams
-from petite_llm.server import AsyncLLMEngine
+from petite_llm.async_engine import AsyncLLMEngine
 
 VOCAB, EOS = 300, 2
 
@@ -191,7 +191,7 @@ def test_errors_reach_the_caller_and_the_engine_goes_on(model):
             with pytest.raises(ValueError, match="already in use"):
                 await _read(engine, [7], sp, request_id='dup')
             await first.aclose()
-            assert engine._thread.is_alive()
+            assert engine.is_running
             return await _read(engine, prompt, sp), await _until_idle(engine)
 
     outs, stats = run(main())
@@ -211,7 +211,7 @@ def test_idle_thread_sleeps_and_shutdown_joins(model):
             assert (await engine.get_stats()).num_steps == steps
             stream = engine.generate([8, 9], sp)
             await anext(stream)
-        assert not engine._thread.is_alive()
+        assert not engine.is_running
         with pytest.raises(RuntimeError, match="shut down"):
             async for out in stream:          # what was made before shutdown, then the error
                 assert not out.finished
@@ -245,4 +245,4 @@ def test_a_failing_step_ends_every_stream_with_its_error(model):
         engine.shutdown(timeout=5)
         return engine
 
-    assert not run(main())._thread.is_alive()
+    assert not run(main()).is_running

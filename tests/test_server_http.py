@@ -282,21 +282,38 @@ def test_malformed_json_and_api_keys(server, client):
     assert client.completions.create(model=NAME, prompt="Hi", max_tokens=2).usage.total_tokens
 
 
-def test_reasoning_split_whole_and_streamed():
-    "Qwen3's <think> part is reasoning_content; streamed in any pieces, it adds up the same."
-    from petite_llm.server import ReasoningStream, split_reasoning
-    replies = ["<think>\nhmm, Paris\n</think>\n\nParis.", "Paris.", "<think>cut off",
-               "a < b </thin but no tag", "<thi"]
-    for reply in replies:
-        whole = split_reasoning(reply)
-        for size in (1, 2, 5):
-            rs = ReasoningStream()
-            pieces = [reply[i:i + size] for i in range(0, len(reply), size)]
-            deltas = [rs.feed(p, i == len(pieces) - 1) for i, p in enumerate(pieces)]
-            streamed = ("".join(r for r, _ in deltas), "".join(c for _, c in deltas))
-            assert streamed == (whole[0] or "", whole[1]), (reply, size)
-    # a </think> with no <think> before it: once streamed as content, the text stays content
-    rs = ReasoningStream()
-    deltas = [rs.feed(p) for p in ["no open tag", "</think>", "answer"]] + [rs.feed("", True)]
-    assert "".join(r for r, _ in deltas) == "" and "".join(c for _, c in deltas) == (
-        "no open tag</think>answer")
+def test_load_generator_streams_every_request_with_its_tokens(server):
+    "bench_serve.run_load: Poisson arrivals, a concurrency cap, exact lengths, ordered percentiles."
+    from petite_llm.bench_serve import make_load, run_load, summarize
+    base, llm = server
+    load = make_load(llm.tokenizer, 12, 4, 24, seed=3)
+    results, duration = asyncio.run(asyncio.wait_for(
+        run_load(base, NAME, load, rate=50.0, max_concurrency=3, api_key=KEY, seed=3), 120))
+    s = summarize(results, duration)
+    assert (s["requests"], s["completed"], s["failed"], s["errors"]) == (12, 12, 0, [])
+    assert [r.output_tokens for r in results] == [r.max_tokens for r in load]
+    assert [r.prompt_tokens for r in results] == [r.prompt_tokens for r in load]
+    assert s["output_tokens"] == s["output_tokens_expected"] == sum(r.max_tokens for r in load)
+    for r in results:
+        assert r.arrival <= r.sent < r.chunk_times[0] and r.chunk_times == sorted(r.chunk_times)
+        assert r.chunk_times[-1] <= r.end
+    # never more than max_concurrency requests between their sending and their end
+    events = sorted([(r.sent, 1) for r in results] + [(r.end, -1) for r in results])
+    in_flight = [sum(step for _, step in events[:i + 1]) for i in range(len(events))]
+    assert max(in_flight) <= 3
+    for name in ("ttft", "tpot", "itl", "e2e"):
+        stats = s[f"{name}_ms"]
+        assert 0 < stats["p50"] <= stats["p90"] <= stats["p99"] and stats["mean"] > 0, name
+    assert s["request_throughput"] > 0 and s["output_throughput"] > 0
+
+
+def test_load_generator_records_failures(server):
+    "A request the server refuses is counted as failed, with its error, not raised."
+    from petite_llm.bench_serve import make_load, run_load, summarize
+    base, llm = server
+    load = make_load(llm.tokenizer, 2, 4, 8, seed=4)
+    results, duration = asyncio.run(asyncio.wait_for(
+        run_load(base, "gpt-9", load, api_key=KEY), 60))
+    s = summarize(results, duration)
+    assert (s["completed"], s["failed"]) == (0, 2) and "NotFoundError" in s["errors"][0]
+    assert s["ttft_ms"] == {"mean": None, "p50": None, "p90": None, "p99": None}

@@ -17,9 +17,9 @@ from qwen3_tokenizer import (QWEN3_ADDED_IDS, QWEN3_ADDED_TOKENS,  # noqa: E402
                              QWEN3_CHAT_TEMPLATE, QWEN3_GENERATION_CONFIG, qwen3_tokenizer_dir,
                              qwen_tiktoken_path, write_qwen3_tokenizer)
 
-from petite_llm.tokenizer import (IncrementalDetokenizer, Tokenizer,  # noqa: E402
+from petite_llm.tokenizer import (IncrementalDetokenizer, ThinkSplitter, Tokenizer,  # noqa: E402
                                   bytes_to_unicode, load_tiktoken_ranks, merges_from_ranks,
-                                  spell_bytes)
+                                  spell_bytes, split_reasoning, think_and_answer)
 
 # ---------------------------------------------------------------- fixtures
 
@@ -484,3 +484,42 @@ def test_detokenizer_arbitrary_ids(qwen3, ids):
     assert "".join(deltas) == qwen3.decode(ids)
     deltas, _ = _stream(qwen3, ids, skip_special_tokens=False)
     assert "".join(deltas) == qwen3.decode(ids, skip_special_tokens=False)
+
+
+# ---------------------------------------------------------------- reasoning apart from the answer
+
+REPLIES = ["<think>\nhmm, Paris\n</think>\n\nParis.", "Paris.", "<think>cut off",
+           "a < b </thin no tag", "<thi", "no open tag</think>answer", "a <b> <think>x</think>y"]
+
+
+def _streamed(reply: str, size: int) -> tuple[str, str]:
+    "The reply fed to a ThinkSplitter in pieces of `size` characters, joined by kind."
+    splitter = ThinkSplitter()
+    pieces = [p for i in range(0, len(reply), size) for p in splitter.feed(reply[i:i + size])]
+    return think_and_answer(pieces + splitter.finish())
+
+
+def test_split_reasoning_whole():
+    assert split_reasoning(REPLIES[0]) == ("\nhmm, Paris\n", "\n\nParis.")
+    assert split_reasoning("Paris.") == (None, "Paris.")
+    assert split_reasoning("<think>cut off") == ("cut off", "")          # stopped while thinking
+    assert split_reasoning("no open tag</think>answer") == (None, "no open tag</think>answer")
+    assert split_reasoning("a <b> <think>x</think>y") == ("x", "a <b> y")
+
+
+@pytest.mark.parametrize("reply", REPLIES)
+def test_streamed_in_any_pieces_adds_up_to_the_whole_split(reply):
+    reasoning, answer = split_reasoning(reply)
+    for size in (1, 2, 3, 5, len(reply) or 1):
+        assert _streamed(reply, size) == (reasoning or "", answer), (reply, size)
+
+
+def test_splitter_holds_back_only_what_may_become_a_tag():
+    splitter = ThinkSplitter()
+    assert splitter.feed("a <") == [("answer", "a ")]            # '<' may start <think>
+    assert splitter.feed("b> <th") == [("answer", "<b> ")]
+    assert splitter.feed("in") == []                             # '<thin' still may
+    assert splitter.feed("k>x</thi") == [("think", "x")]
+    assert splitter.feed("nk>y") == [("answer", "y")]
+    assert splitter.finish() == []
+

@@ -1,0 +1,78 @@
+"""The HTTP app in-process (FastAPI's TestClient) on a scripted engine that needs no model:
+/health follows the engine thread; Qwen3's reasoning comes back apart from the answer, whole and
+streamed, however the tags are cut across the engine's deltas."""
+import json
+from types import SimpleNamespace
+
+import pytest
+from fastapi.testclient import TestClient
+
+from petite_llm.engine import CompletionOutput, RequestMetrics, RequestOutput
+from petite_llm.server import build_app
+
+CONV = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+class ScriptedTokenizer:
+    "Enough of a tokenizer for the chat route: any conversation is three tokens."
+    def apply_chat_template(self, messages, add_generation_prompt=True, tokenize=False, **kwargs):
+        return "a conversation"
+
+    def encode(self, text, add_special_tokens=False):
+        return [1, 2, 3]
+
+
+class ScriptedEngine:
+    "Stands in for AsyncLLMEngine: every request gets the same reply, one scripted delta a step."
+    def __init__(self, deltas: list[str], running: bool = True):
+        self.deltas, self.is_running = deltas, running
+        self.engine = SimpleNamespace(tokenizer=ScriptedTokenizer(), max_model_len=64)
+
+    async def generate(self, ids, params, request_id=None):
+        text, tokens = "", []
+        for i, delta in enumerate(self.deltas):
+            last = i == len(self.deltas) - 1
+            text, tokens = text + delta, tokens + [10 + i]
+            out = CompletionOutput(0, text=text, token_ids=list(tokens),
+                                   finish_reason="stop" if last else None,
+                                   delta_text=delta, delta_token_ids=[10 + i])
+            yield RequestOutput(request_id, None, list(ids), [out], last, RequestMetrics(0.0))
+
+
+def _client(deltas, running=True) -> TestClient:
+    return TestClient(build_app(ScriptedEngine(deltas, running), "m"))
+
+
+def test_health_follows_the_engine_thread():
+    assert _client(["x"]).get("/health").status_code == 200
+    r = _client(["x"], running=False).get("/health")
+    assert r.status_code == 503 and r.json()["error"]["type"] == "server_error"
+
+
+# the tags cut across deltas, as tokens cut them
+SPLIT_TAGS = ["<th", "ink>\nhm", "m\n</thi", "nk>\n\nPar", "is."]
+
+
+@pytest.mark.parametrize("deltas, reasoning, content", [
+    (SPLIT_TAGS, "\nhmm\n", "\n\nParis."),
+    (["Paris", "."], None, "Paris."),
+    (["<think>", "still thinking"], "still thinking", ""),
+])
+def test_chat_returns_reasoning_apart_whole_and_streamed(deltas, reasoning, content):
+    client = _client(deltas)
+    whole = client.post("/v1/chat/completions", json={"model": "m", "messages": CONV})
+    message = whole.json()["choices"][0]["message"]
+    assert (message["reasoning_content"], message["content"]) == (reasoning, content)
+
+    streamed = client.post("/v1/chat/completions",
+                           json={"model": "m", "messages": CONV, "stream": True})
+    events = [line.removeprefix("data: ") for line in streamed.text.splitlines()
+              if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e)["choices"][0] for e in events[:-1]]
+    deltas_out = [c["delta"] for c in chunks[1:]]          # the first carries only the role
+    assert chunks[0]["delta"] == {"role": "assistant", "content": ""}
+    assert "".join(d.get("reasoning_content") or "" for d in deltas_out) == (reasoning or "")
+    assert "".join(d.get("content") or "" for d in deltas_out) == content
+    assert not any("<think>" in (d.get("content") or "") for d in deltas_out)
+    assert [c["finish_reason"] for c in chunks].count("stop") == 1
