@@ -15,9 +15,10 @@ import time
 from .sampling import SamplingParams
 
 # %% auto #0
-__all__ = ['DIM', 'RESET', 'default_model', 'resolve_device_dtype', 'sampling_params', 'engine_steps', 'Runner', 'cmd_generate',
-           'explain_lines', 'explain', 'xray_lines', 'ThinkDisplay', 'cmd_chat', 'cmd_serve', 'parse_metrics',
-           'histogram_quantile', 'dashboard', 'fetch_metrics', 'cmd_top', 'cmd_bench', 'build_parser', 'main']
+__all__ = ['DIM', 'RESET', 'default_model', 'resolve_device_dtype', 'engine_options', 'sampling_params', 'engine_steps', 'Runner',
+           'cmd_generate', 'explain_lines', 'explain', 'xray_lines', 'ThinkDisplay', 'cmd_chat', 'cmd_serve',
+           'parse_metrics', 'histogram_quantile', 'dashboard', 'fetch_metrics', 'cmd_top', 'cmd_bench', 'build_parser',
+           'main']
 
 # %% ../nbs/90_cli.ipynb #62eec3c7
 def default_model() -> str:
@@ -53,6 +54,30 @@ def _add_model_args(p: argparse.ArgumentParser):
                    help="'auto' (cuda when there is a GPU), 'cpu', 'cuda', 'cuda:1' ...")
     p.add_argument('--no-cache', action='store_true',
                    help="use chapter 9's no-cache loop instead of the engine (the baseline)")
+    g = p.add_argument_group('engine')
+    g.add_argument('--attention-backend', default='auto', choices=['auto', 'torch', 'triton'],
+                   help="chapter 11's torch reference or chapter 13's Triton kernels "
+                        "(default auto: triton on a GPU, torch on the CPU)")
+    g.add_argument('--enforce-eager', action='store_true',
+                   help='no CUDA graphs: run every decode step eagerly (chapter 14)')
+    g.add_argument('--speculative', metavar='ngram|DRAFT',
+                   help="speculative decoding (chapter 15): 'ngram' proposes from the text "
+                        "itself, a model path or id drafts with that model")
+    g.add_argument('--num-speculative-tokens', type=int, default=4, metavar='K',
+                   help='tokens proposed per step with --speculative (default 4)')
+
+def engine_options(args) -> dict:
+    "LLM/LLMEngine keyword arguments from the engine options of a command."
+    options = dict(attention_backend=args.attention_backend, enforce_eager=args.enforce_eager)
+    if args.speculative == 'ngram':
+        # n-grams of 2 to 4 tokens: what chapter 15 measured on text grounded in the prompt
+        options['speculative_config'] = dict(method='ngram', prompt_lookup_min=2,
+                                             prompt_lookup_max=4,
+                                             num_speculative_tokens=args.num_speculative_tokens)
+    elif args.speculative:
+        options['speculative_config'] = dict(method='draft_model', model=args.speculative,
+                                             num_speculative_tokens=args.num_speculative_tokens)
+    return options
 
 def _add_sampling_args(p: argparse.ArgumentParser):
     g = p.add_argument_group("sampling (default: the model's generation_config.json, "
@@ -115,7 +140,7 @@ def engine_steps(llm, prompt, params: SamplingParams, priority: int = 0):
 class Runner:
     "A command's model: the engine (or chapter 9's loop with no_cache); returns GenerationResults."
     def __init__(self, model: str, dtype: str = 'auto', device: str = 'auto',
-                 no_cache: bool = False):
+                 no_cache: bool = False, **engine_options):
         device, dtype = resolve_device_dtype(device, dtype)
         self.model_name, self.device, self.llm = model, device, None
         if no_cache:
@@ -127,7 +152,7 @@ class Runner:
             self.generation_config = self.tokenizer.generation_config or {}
         else:
             from petite_llm.engine import LLM
-            self.llm = LLM(model, dtype=dtype, device=device)
+            self.llm = LLM(model, dtype=dtype, device=device, **engine_options)
             self.model, self.tokenizer = self.llm.engine.model, self.llm.tokenizer
             self.generation_config = self.llm.engine.generation_config
 
@@ -400,7 +425,8 @@ def cmd_serve(args, parser) -> int:
     model = args.model_arg or args.model or default_model()
     device, dtype = resolve_device_dtype(args.device, args.dtype)
     engine = AsyncLLMEngine(LLMEngine.from_pretrained(model, dtype=dtype, device=device,
-                                                      max_model_len=args.max_model_len))
+                                                      max_model_len=args.max_model_len,
+                                                      **engine_options(args)))
     name = args.served_model_name or str(model)
     api_key = args.api_key or os.environ.get('PETITE_LLM_API_KEY')
     app = build_app(engine, name, api_key)
@@ -561,7 +587,8 @@ def cmd_bench(args, parser) -> int:
 
 def _load(args) -> Runner:
     "Load the model a command asked for (or the default one)."
-    return Runner(args.model or default_model(), args.dtype, args.device, args.no_cache)
+    return Runner(args.model or default_model(), args.dtype, args.device, args.no_cache,
+                  **engine_options(args))
 
 def _int_list(text: str) -> list[int]:
     try:

@@ -55,6 +55,8 @@ def test_help_is_fast_and_works_as_a_script():
     (['generate', '--explain', 'one', 'two'], '--explain narrates one generation'),
     (['generate', '--xray', 'one', 'two'], '--xray shows one forward pass'),
     (['generate', '--system', 'be nice', 'hi'], '--system only makes sense with --chat'),
+    (['generate', '--attention-backend', 'flash', 'hi'], 'invalid choice'),
+    (['generate', '--num-speculative-tokens', 'x', 'hi'], "invalid int value: 'x'"),
 ])
 def test_bad_arguments_exit_2(argv, msg):
     code, _, err = run(argv)
@@ -72,6 +74,37 @@ def test_invalid_sampling_values_exit_2(argv, msg):
     code, _, err = run(['generate', *argv, 'hi'])
     assert code == 2 and msg in err, err
     assert 'Traceback' not in err
+
+
+def test_engine_options():
+    "The engine flags become LLM's keyword arguments, with vLLM's speculative_config keys."
+    from petite_llm.cli import engine_options
+    parse = build_parser().parse_args
+    assert engine_options(parse(['generate', 'hi'])) == dict(attention_backend='auto',
+                                                           enforce_eager=False)
+    args = parse(['serve', '--attention-backend', 'torch', '--enforce-eager',
+                  '--speculative', 'ngram', '--num-speculative-tokens', '3'])
+    options = engine_options(args)
+    assert options['attention_backend'] == 'torch' and options['enforce_eager']
+    assert options['speculative_config'] == dict(method='ngram', num_speculative_tokens=3,
+                                                 prompt_lookup_min=2, prompt_lookup_max=4)
+    draft = engine_options(parse(['chat', '--speculative', '/models/draft']))
+    assert draft['speculative_config'] == dict(method='draft_model', model='/models/draft',
+                                               num_speculative_tokens=4)
+
+
+def test_speculative_flag_keeps_greedy_text():
+    "--speculative ngram on the real model: the same greedy text; a bad k is a clear error."
+    prompt = ['generate', '--temperature', '0', '--max-tokens', '24',
+              'Repeat exactly: the cat sat on the mat, the cat sat on the mat.']
+    code, plain, err = run(prompt)
+    assert code == 0, err
+    code, spec, err = run(prompt[:1] + ['--speculative', 'ngram'] + prompt[1:])
+    assert code == 0, err
+    assert spec == plain
+    code, _, err = run(prompt[:1] + ['--speculative', 'ngram', '--num-speculative-tokens', '0']
+                       + prompt[1:])
+    assert code != 0 and 'num_speculative_tokens must be an int >= 1' in err
 
 
 def test_missing_model_is_a_clear_error(tmp_path):
