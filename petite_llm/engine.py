@@ -145,7 +145,7 @@ def get_attention_backend(name: str = 'auto', device='cpu') -> AttentionBackend:
                          "pip install triton, or use attention_backend='torch'")
     if not on_cuda and os.environ.get('TRITON_INTERPRET') != '1':
         raise ValueError("attention_backend='triton' runs on a CUDA GPU; on a CPU use 'torch' "
-                         "(or set TRITON_INTERPRET=1 before the first triton backend is built, "
+                         "(or set TRITON_INTERPRET=1 before triton is first imported, "
                          "to run the kernels in Triton's slow interpreter)")
     from petite_llm.kernels import TritonAttentionBackend
     return TritonAttentionBackend()
