@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 # %% auto 0
-__all__ = ['AttentionMetadata', 'AttentionBackend', 'store_kv', 'gather_blocks', 'TorchAttentionBackend']
+__all__ = ['AttentionMetadata', 'AttentionBackend', 'store_kv', 'gather_blocks', 'group_by_length', 'DecodeGroup', 'TorchAttentionBackend']
 
 # %% ../nbs/11_paged_blocks.ipynb #7bd377ba
 import math
@@ -125,14 +125,35 @@ def _sdpa(q, k, v, mask, scale):
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)  # [B, nkv, g*Lq, hd]
     return out.reshape(B, nh, Lq, hd)
 
+def group_by_length(lengths: list[int], max_padding: float) -> list[list[int]]:
+    "Indices in groups of similar length: no row pads by more than max_padding of its longest."
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])          # longest first
+    groups: list[list[int]] = []
+    for i in order:
+        if groups and lengths[i] >= (1 - max_padding) * lengths[groups[-1][0]]:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    return [sorted(group) for group in groups]
+
+@dataclass
+class DecodeGroup:
+    "Decodes attended in one call: their rows of q, their blocks, and which slots are context."
+    rows: slice | torch.Tensor     # a slice when the rows are consecutive, else their indices
+    table: torch.Tensor            # [D, n] their block tables, cut to the group's longest context
+    length: int                    # that longest context, in tokens
+    mask: torch.Tensor | None      # [D, 1, 1, length] True on context; None when all are full
+
 class TorchAttentionBackend(AttentionBackend):
     "Reference paged attention: store K/V by slot, gather contexts by block table, then SDPA."
     name = 'torch'
 
-    def __init__(self, batch_decodes: bool | None = None):
-        # None: batched on a GPU (one call), one sequence at a time on a CPU (no padded work)
-        self.batch_decodes = batch_decodes
+    def __init__(self, max_padding: float | None = None):
+        # the share of a decode's keys that may be padding in a batched call; None: every decode
+        # in one call on a GPU (calls are what cost), groups of near-equal length on a CPU
+        self.max_padding = max_padding
         self._scratch: dict[str, torch.Tensor] = {}
+        self._groups: tuple[AttentionMetadata | None, list[DecodeGroup]] = (None, [])
 
     def scratch(self, name: str, numel: int, like: torch.Tensor) -> torch.Tensor:
         "A reusable flat buffer of at least numel elements (see the pitfall on fresh CPU tensors)."
@@ -143,6 +164,32 @@ class TorchAttentionBackend(AttentionBackend):
             self._scratch[name] = buf
         return buf
 
+    def decode_groups(self, md: AttentionMetadata, block_size: int) -> list[DecodeGroup]:
+        "The step's decodes in groups, made at the first layer and reused by the others."
+        if self._groups[0] is md:
+            return self._groups[1]
+        device = md.block_tables.device
+        max_padding = self.max_padding
+        if max_padding is None:
+            max_padding = 1.0 if device.type == 'cuda' else 0.25
+        # a padding row (length 0) attends to slot 0, not to nothing (which would give NaN)
+        lengths = [max(n, 1) for n in md.context_lens_cpu[:md.num_decodes]]
+        groups = []
+        for rows in group_by_length(lengths, max_padding):
+            length = max(lengths[i] for i in rows)
+            consecutive = rows == list(range(rows[0], rows[0] + len(rows)))
+            index = (slice(rows[0], rows[0] + len(rows)) if consecutive
+                     else torch.tensor(rows, device=device))
+            mask = None
+            if any(lengths[i] < length for i in rows):
+                context_lens = torch.tensor([lengths[i] for i in rows], device=device)   # [D]
+                mask = torch.arange(length, device=device) < context_lens[:, None]      # [D, L]
+                mask = mask[:, None, None, :]
+            table = md.block_tables[index, :cdiv(length, block_size)]
+            groups.append(DecodeGroup(index, table, length, mask))
+        self._groups = (md, groups)
+        return groups
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache,
                 md: AttentionMetadata, scale: float) -> torch.Tensor:
         "q [T, nh, hd], k/v [T, nkv, hd] -> [T, nh, hd], attending to each sequence's context."
@@ -151,41 +198,28 @@ class TorchAttentionBackend(AttentionBackend):
         block_size = k_cache.shape[1]
         block_numel = k_cache[0].numel()              # elements in one block of K (or V)
         out = torch.empty_like(q)
-        batched = q.is_cuda if self.batch_decodes is None else self.batch_decodes
-        num_decodes = md.num_decodes if batched else 0
-        if num_decodes:
-            # one query per sequence: one batched call over the first num_decodes rows of q,
-            # gathering no further than the longest decode
-            longest = max(md.context_lens_cpu[:num_decodes])
-            num_blocks = max(1, cdiv(longest, block_size))
-            table = md.block_tables[:num_decodes, :num_blocks]             # [D, num_blocks]
-            size = table.numel() * block_numel
-            keys = gather_blocks(k_cache, table, self.scratch('k', size, k_cache))
-            values = gather_blocks(v_cache, table, self.scratch('v', size, v_cache))
-            keys, values = keys.transpose(1, 2), values.transpose(1, 2)   # [D, nkv, L, hd]
-            # padding rows (length 0) attend to slot 0, not to nothing (which would give NaN)
-            context_lens = md.context_lens[:num_decodes].clamp(min=1)     # [D]
-            slots = torch.arange(num_blocks * block_size, device=q.device)
-            mask = slots < context_lens[:, None]                          # [D, L]
-            queries = q[:num_decodes].unsqueeze(2)                        # [D, nh, 1, hd]
-            o = _sdpa(queries, keys, values, mask[:, None, None, :], scale)
-            out[:num_decodes] = o.squeeze(2)
-        # prefill chunks (and unbatched decodes), one sequence at a time
-        for i in range(num_decodes, len(md.context_lens_cpu)):
+        for group in self.decode_groups(md, block_size):
+            # one query per sequence at the end of its context: one call for the group
+            size = group.table.numel() * block_numel
+            keys = gather_blocks(k_cache, group.table, self.scratch('k', size, k_cache))
+            values = gather_blocks(v_cache, group.table, self.scratch('v', size, v_cache))
+            keys = keys[:, :group.length].transpose(1, 2)                # [D, nkv, L, hd]
+            values = values[:, :group.length].transpose(1, 2)
+            o = _sdpa(q[group.rows].unsqueeze(2), keys, values, group.mask, scale)
+            out[group.rows] = o.squeeze(2)                               # [D, nh, hd]
+        # prefill chunks, one sequence at a time
+        for i in range(md.num_decodes, len(md.context_lens_cpu)):
             start, end = md.query_start_loc_cpu[i], md.query_start_loc_cpu[i + 1]
             num_queries = end - start
-            # a padding row (length 0) attends to slot 0, not to nothing
             context_len = max(md.context_lens_cpu[i], 1)
             table = md.block_tables[i, :cdiv(context_len, block_size)]
             size = table.numel() * block_numel
             keys = gather_blocks(k_cache, table, self.scratch('k', size, k_cache))[:context_len]
             values = gather_blocks(v_cache, table, self.scratch('v', size, v_cache))[:context_len]
-            mask = None                               # a decode: its one query sees everything
-            if num_queries > 1:
-                # the chunk's queries are the last num_queries positions of the context
-                q_pos = torch.arange(context_len - num_queries, context_len, device=q.device)
-                k_pos = torch.arange(context_len, device=q.device)
-                mask = (k_pos[None, :] <= q_pos[:, None])[None, None]   # [1, 1, queries, context]
+            # the chunk's queries are the last num_queries positions of the context
+            q_pos = torch.arange(context_len - num_queries, context_len, device=q.device)
+            k_pos = torch.arange(context_len, device=q.device)
+            mask = (k_pos[None, :] <= q_pos[:, None])[None, None]       # [1, 1, queries, context]
             o = _sdpa(q[start:end].transpose(0, 1)[None],                 # [1, nh, queries, hd]
                       keys.transpose(0, 1)[None],                         # [1, nkv, context, hd]
                       values.transpose(0, 1)[None], mask, scale)

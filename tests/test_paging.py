@@ -5,10 +5,11 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from hypothesis import given, strategies as st
 
 from petite_llm.layers.attention import causal_attention
 from petite_llm.kv_cache import kv_bytes_per_token
-from petite_llm.backends import AttentionMetadata, TorchAttentionBackend
+from petite_llm.backends import AttentionMetadata, TorchAttentionBackend, group_by_length
 from petite_llm.paging import (BlockManager, allocate_kv_cache, cdiv, check_block_accounting,
                                hash_block, kv_bytes_per_block, num_kv_blocks)
 import petite_llm.paging as paging
@@ -158,7 +159,7 @@ def qkv(T, nh, nkv, hd, g, dtype):
     return r(nh), r(nkv), r(nkv)
 
 
-def run_paged(seqs, steps, bs, nh, nkv, hd, dtype, seed=0, batch_decodes=None):
+def run_paged(seqs, steps, bs, nh, nkv, hd, dtype, seed=0, max_padding=None):
     "Each sequence's q/k/v through the paged backend in `steps` [(seq, n new)...]; outputs per seq."
     g = torch.Generator().manual_seed(seed)
     num_blocks = sum(cdiv(len(q), bs) for q, _, _ in seqs) + 3
@@ -167,7 +168,7 @@ def run_paged(seqs, steps, bs, nh, nkv, hd, dtype, seed=0, batch_decodes=None):
     perm = torch.randperm(num_blocks, generator=g).tolist()
     tables = [[perm.pop() for _ in range(cdiv(len(q), bs))] for q, _, _ in seqs]
     done, outs = [0] * len(seqs), [[] for _ in seqs]
-    backend = TorchAttentionBackend(batch_decodes)
+    backend = TorchAttentionBackend(max_padding)
     for step in steps:
         md = AttentionMetadata.build([tables[i] for i, _ in step], [done[i] for i, _ in step],
                                      [n for _, n in step], bs, 'cpu', backend)
@@ -198,16 +199,16 @@ def random_steps(rng, lens, budget):
 @pytest.mark.parametrize("bs", [1, 4, 16])
 @pytest.mark.parametrize("nh,nkv", [(4, 4), (6, 2), (4, 1)])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
-# the GPU's batched decodes and the CPU's one at a time, both checked here
-@pytest.mark.parametrize("batch_decodes", [True, False])
-def test_backend_matches_causal_attention(bs, nh, nkv, dtype, batch_decodes):
+# one padded call (a GPU's default), groups of near-equal length (a CPU's), one per length
+@pytest.mark.parametrize("max_padding", [0.0, 0.25, 1.0])
+def test_backend_matches_causal_attention(bs, nh, nkv, dtype, max_padding):
     rng = random.Random(bs * 100 + nh * 10 + nkv)
     g, hd = torch.Generator().manual_seed(bs + nh + nkv), 8
     for trial in range(2):
         lens = [rng.randint(1, 40) for _ in range(rng.randint(1, 5))]
         seqs = [qkv(T, nh, nkv, hd, g, dtype) for T in lens]
         outs = run_paged(seqs, random_steps(rng, lens, 12), bs, nh, nkv, hd, dtype, seed=trial,
-                         batch_decodes=batch_decodes)
+                         max_padding=max_padding)
         for (q, k, v), o in zip(seqs, outs):
             torch.testing.assert_close(o, causal_attention(q, k, v, hd ** -0.5))
 
@@ -226,13 +227,13 @@ def test_metadata_fields():
         AttentionMetadata.build([[0]], [3], [2], 4, 'cpu', backend)
 
 
-@pytest.mark.parametrize("batch_decodes", [True, False])
-def test_padding_slots_are_skipped(batch_decodes):
+@pytest.mark.parametrize("max_padding", [0.0, 0.25, 1.0])
+def test_padding_slots_are_skipped(max_padding):
     g = torch.Generator().manual_seed(0)
     kc = torch.randn(3, 2, 1, 4, generator=g, dtype=torch.float64)
     vc = kc.clone()
     before = kc.clone()
-    be = TorchAttentionBackend(batch_decodes)
+    be = TorchAttentionBackend(max_padding)
     md = AttentionMetadata.build([[1], [0], [2]], [0, 0, 0], [1, 1, 1], 2, 'cpu', be)
     md.context_lens_cpu = [1, 0, 0]
     md.slot_mapping[1:] = -1
@@ -360,3 +361,17 @@ class BlockManagerMachine(RuleBasedStateMachine):
 BlockManagerMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40,
                                                  deadline=None)
 TestBlockManagerMachine = BlockManagerMachine.TestCase
+
+
+@given(st.lists(st.integers(1, 600), min_size=1, max_size=40), st.sampled_from([0.0, 0.25, 1.0]))
+def test_group_by_length_bounds_padding(lengths, max_padding):
+    "Every decode lands in exactly one group, and none pads past max_padding of its group's longest."
+    groups = group_by_length(lengths, max_padding)
+    assert sorted(i for g in groups for i in g) == list(range(len(lengths)))
+    for g in groups:
+        longest = max(lengths[i] for i in g)
+        assert all(lengths[i] >= (1 - max_padding) * longest for i in g)
+    if max_padding == 1.0:
+        assert len(groups) == 1
+    if max_padding == 0.0:
+        assert len(groups) == len(set(lengths))
