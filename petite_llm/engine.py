@@ -31,10 +31,10 @@ from .tokenizer import IncrementalDetokenizer, Tokenizer
 logger = logging.getLogger(__name__)
 
 # %% auto #0
-__all__ = ['logger', 'ATTENTION_BACKENDS', 'CPU_KV_FRACTION', 'CPU_KV_CAP', 'ModelRunnerOutput', 'ModelRunner',
-           'get_attention_backend', 'CompletionOutput', 'SpecDecodingStats', 'RequestMetrics', 'RequestOutput',
-           'default_kv_cache_memory', 'OutputProcessor', 'EngineStats', 'LLMEngine', 'load_engine_model',
-           'cuda_graph_batch_sizes', 'capture_cuda_graph', 'CUDAGraphs', 'merge_outputs', 'LLM']
+__all__ = ['logger', 'ATTENTION_BACKENDS', 'CPU_KV_FRACTION', 'CPU_KV_CAP', 'ModelRunnerOutput', 'ModelRunner', 'native_bf16',
+           'default_dtype', 'get_attention_backend', 'CompletionOutput', 'SpecDecodingStats', 'RequestMetrics',
+           'RequestOutput', 'default_kv_cache_memory', 'OutputProcessor', 'EngineStats', 'LLMEngine',
+           'load_engine_model', 'cuda_graph_batch_sizes', 'capture_cuda_graph', 'CUDAGraphs', 'merge_outputs', 'LLM']
 
 # %% ../nbs/14_engine.ipynb #f0c44ed1
 @dataclass
@@ -125,6 +125,24 @@ def _plain_greedy(p: SamplingParams, seq: Sequence) -> bool:
     return (p.greedy and p.repetition_penalty == 1.0 and p.presence_penalty == 0
             and p.frequency_penalty == 0 and p.logprobs is None
             and seq.num_output_tokens >= p.min_tokens)
+
+# %% ../nbs/14_engine.ipynb #3ca2999d
+def native_bf16(device) -> str | None:
+    "What computes bfloat16 natively on `device` (None if nothing): a GPU's, AMX or AVX512-BF16."
+    device = torch.device(device)
+    if device.type == 'cuda':
+        return 'the GPU' if torch.cuda.is_bf16_supported() else None
+    if device.type == 'cpu' and torch.cpu._is_amx_tile_supported():
+        return 'AMX'
+    if device.type == 'cpu' and torch.cpu._is_avx512_bf16_supported():
+        return 'AVX512-BF16'
+    return None
+
+def default_dtype(device) -> torch.dtype:
+    "The dtype when none is asked for: bf16 where it is native, else fp16 on a GPU, fp32 on a CPU."
+    if native_bf16(device):
+        return torch.bfloat16
+    return torch.float16 if torch.device(device).type == 'cuda' else torch.float32
 
 # %% ../nbs/14_engine.ipynb #94b298ab
 ATTENTION_BACKENDS = ('auto', 'torch', 'triton')
@@ -661,6 +679,13 @@ def load_engine_model(model, dtype=None, device=None) -> tuple[nn.Module, Path |
     if device is None:
         device = 'cuda' if torch.cuda.is_available() else 'cpu'
     net = load_model(path, dtype=parse_dtype(dtype), device=torch.device(device))
+    if parse_dtype(dtype) is None and next(net.parameters()).dtype == torch.float32:
+        # a float32 checkpoint (or a dequantized GGUF) runs in the device's default dtype
+        net, native = net.to(default_dtype(device)), native_bf16(device)
+        logger.info("dtype %s for a float32 checkpoint: %s",
+                    str(default_dtype(device)).removeprefix('torch.'),
+                    f"{native} computes bfloat16 natively" if native else
+                    f"no native bfloat16 on {torch.device(device).type}")
     if num_packed := prepack_linears(net):
         logger.info("packed %d linear layers for oneDNN (bfloat16 on CPU)", num_packed)
     return net, path

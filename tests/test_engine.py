@@ -153,7 +153,7 @@ def test_preemption_parity_f64(f64):
 def test_logits_f32(f32, block_size, budget, num_blocks, record_logits):
     "fp32, any block size, 8-token chunks, preemption: each position's logits match HF within 1e-4."
     path, hf = f32
-    llm = LLM(path, block_size=block_size, max_num_batched_tokens=budget,
+    llm = LLM(path, dtype=torch.float32, block_size=block_size, max_num_batched_tokens=budget,
               kv_cache_memory=_pool(path, num_blocks, block_size, torch.float32))
     rows = record_logits(llm)
     prompts = _prompts(2)
@@ -449,12 +449,29 @@ def test_only_bf16_is_packed(f32):
         assert not any(isinstance(m, PackedLinear) for m in model.modules())
 
 
-def test_dtype_names_come_from_the_one_table(f32):
-    "dtype= takes any spelling of petite_llm.config's table; None and 'auto' keep the checkpoint's."
+def test_dtype_names_come_from_the_one_table(f32, f64):
+    "dtype= takes any spelling of the table; None and 'auto' run float32 in the default dtype."
+    from petite_llm.engine import default_dtype
     path = f32[0]
     for dtype, want in [('FP64', torch.float64), ('torch.float64', torch.float64),
-                        ('auto', torch.float32), (None, torch.float32)]:
+                        ('fp32', torch.float32),
+                        ('auto', default_dtype('cpu')), (None, default_dtype('cpu'))]:
         llm = LLM(path, dtype=dtype, kv_cache_memory=1 << 20)
         assert next(llm.engine.model.parameters()).dtype == want
+    # a float64 checkpoint was stored so on purpose: the default keeps it
+    llm = LLM(f64[0], kv_cache_memory=1 << 20)
+    assert next(llm.engine.model.parameters()).dtype == torch.float64
     with pytest.raises(ValueError, match="unknown dtype 'int3'"):
         LLM(path, dtype='int3')
+
+
+@pytest.mark.parametrize("amx,avx512_bf16,want", [(True, False, torch.bfloat16),
+                                                  (False, True, torch.bfloat16),
+                                                  (False, False, torch.float32)])
+def test_default_dtype_follows_the_cpu(monkeypatch, amx, avx512_bf16, want):
+    "bfloat16 only where the CPU computes it natively (AMX or AVX512-BF16), else float32."
+    from petite_llm.engine import default_dtype, native_bf16
+    monkeypatch.setattr(torch.cpu, '_is_amx_tile_supported', lambda: amx)
+    monkeypatch.setattr(torch.cpu, '_is_avx512_bf16_supported', lambda: avx512_bf16)
+    assert default_dtype('cpu') == want
+    assert (native_bf16('cpu') is not None) == (want == torch.bfloat16)
