@@ -14,10 +14,13 @@ from .config import DTYPES, parse_dtype
 from .layers.linear import PackedLinear, packed_linear_available
 
 # %% auto #0
-__all__ = ['SHAPES', 'FULL', 'QUICK', 'as_dtype', 'dtype_name', 'shape_config', 'default_cache_dir', 'make_random_checkpoint',
-           'linear_shapes', 'weight_bytes', 'memory_read_gb_s', 'linear_bound', 'TransformersPeer', 'PetitePeer',
-           'make_requests', 'measure_prefill_decode', 'measure_offline', 'choose_batch_size', 'run_benchmark', 'ratios',
-           'plot_results', 'add_arguments', 'run', 'profile_decode', 'scoreboard']
+__all__ = ['SHAPES', 'FULL', 'QUICK', 'SPEC_PASSAGE', 'SPEC_TASKS', 'as_dtype', 'dtype_name', 'shape_config', 'default_cache_dir',
+           'make_random_checkpoint', 'linear_shapes', 'weight_bytes', 'memory_read_gb_s', 'linear_bound',
+           'TransformersPeer', 'PetitePeer', 'make_requests', 'measure_prefill_decode', 'measure_offline',
+           'choose_batch_size', 'num_threads', 'run_benchmark', 'ratios', 'plot_results', 'add_arguments', 'run',
+           'profile_decode', 'scoreboard', 'real_model', 'run_batch_sweep', 'sweep_table', 'plot_sweep', 'best_greedy',
+           'run_speculative_benchmark', 'speculative_table', 'add_sweep_arguments', 'add_speculative_arguments',
+           'run_sweep', 'run_speculative']
 
 # %% ../nbs/17_benchmarks.ipynb #57b5590e
 SHAPES = {
@@ -174,7 +177,11 @@ class TransformersPeer:
         except ImportError as e:
             raise ImportError("the benchmark's peer needs transformers: "
                               "pip install transformers") from e
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=as_dtype(dtype))
+        path = Path(path)
+        # a .gguf file: transformers dequantizes it, as chapter 06 does
+        where, gguf = (path.parent, dict(gguf_file=path.name)) if path.suffix == '.gguf' else (
+            path, {})
+        model = AutoModelForCausalLM.from_pretrained(where, dtype=as_dtype(dtype), **gguf)
         self.model = model.to(device).eval()
         self.device, self.batch_size = torch.device(device), batch_size
 
@@ -200,6 +207,14 @@ class TransformersPeer:
         # min_new_tokens: EOS never stops a batch early
         assert out.shape == (len(prompts), L + n), out.shape
 
+    def greedy(self, prompt: list[int], max_tokens: int) -> list[int]:
+        "One prompt's greedy tokens: at most max_tokens, up to and including EOS."
+        ids = torch.tensor([prompt], device=self.device)                 # [1, L]
+        with torch.inference_mode():
+            out = self.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
+                                      do_sample=False, max_new_tokens=max_tokens)
+        return out[0, len(prompt):].tolist()
+
 class PetitePeer:
     "petite_llm's `LLM.generate`: one call, the scheduler batches continuously."
     name = 'petite_llm'
@@ -215,6 +230,13 @@ class PetitePeer:
                for n in max_tokens]
         outs = self.llm.generate(prompts, sps, use_tqdm=False)
         assert [len(o.token_ids) for o in outs] == list(max_tokens)
+
+    def greedy(self, prompt: list[int], max_tokens: int) -> list[int]:
+        "One prompt's greedy tokens, at most max_tokens, up to EOS; its metrics kept in .metrics."
+        out = self.llm.generate([prompt], self.SamplingParams(temperature=0, max_tokens=max_tokens),
+                                use_tqdm=False)[0]
+        self.metrics = out.metrics
+        return list(out.token_ids)
 
 # %% ../nbs/17_benchmarks.ipynb #302b5604
 def make_requests(n: int, min_len: int, max_len: int, vocab_size: int, seed: int = 0,
@@ -274,6 +296,17 @@ def _free():
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
 
+@contextlib.contextmanager
+def num_threads(threads: int | None):
+    "torch's threads set to `threads` (if given) inside the block, and restored after it."
+    old = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        yield torch.get_num_threads()
+    finally:
+        torch.set_num_threads(old)
+
 def run_benchmark(model=None, shape=None, layers=None, dtype='bfloat16', threads=None, device='cpu',
                   prompt_len=None, decode_tokens=None, requests=None, min_len=None, max_len=None,
                   batch_sizes=(1, 4, 8, 16), probe_requests=None, probe_tokens=None, repeats=None,
@@ -303,11 +336,8 @@ def run_benchmark(model=None, shape=None, layers=None, dtype='bfloat16', threads
     cfg.setdefault('head_dim', cfg['hidden_size'] // cfg['num_attention_heads'])
     offline = make_requests(opts['requests'], opts['min_len'], opts['max_len'], cfg['vocab_size'],
                             seed=seed)
-    old_threads = torch.get_num_threads()
-    if threads:
-        torch.set_num_threads(threads)
     t_start = time.perf_counter()
-    try:
+    with num_threads(threads):
         rope_theta = cfg.get('rope_theta') or (cfg.get('rope_parameters') or {}).get('rope_theta')
         res = dict(shape=opts['shape'] if not model else str(model), dtype=dtype_name(dtype),
                    device=str(device), threads=torch.get_num_threads(), torch=torch.__version__,
@@ -345,8 +375,6 @@ def run_benchmark(model=None, shape=None, layers=None, dtype='bfloat16', threads
             res[name] = figures
             del peer
             _free()
-    finally:
-        torch.set_num_threads(old_threads)
     res['seconds'] = time.perf_counter() - t_start
     res['ratios'] = ratios(res)
     return res
@@ -546,3 +574,185 @@ def scoreboard(res: dict) -> str:
     lines.append(f"{res['shape']} · {res['dtype']} · {res['device']} · {res['threads']} threads · "
                  f"torch {res['torch']}")
     return '\n'.join(lines)
+
+# %% ../nbs/17_benchmarks.ipynb #16db166e
+def real_model(model=None) -> Path:
+    "The real-weight workloads' model: `model` (a folder or .gguf file), else the shipped SmolLM2."
+    if model:
+        return Path(model)
+    from petite_llm.weights import smollm2_gguf_path
+    return smollm2_gguf_path()
+
+def run_batch_sweep(model=None, batch_sizes=(1, 4, 8, 16, 32), prompt_len: int = 64,
+                    new_tokens: int = 64, repeats: int = 2, dtype='bfloat16', threads=None,
+                    seed: int = 0, llm_kwargs=None) -> dict:
+    "Both engines' tok/s at each batch size, on equal-length prompts (static batching's best case)."
+    path, dtype = real_model(model), as_dtype(dtype)
+    with num_threads(threads) as n:
+        petite = PetitePeer(path, dtype, **(llm_kwargs or {}))
+        hf = TransformersPeer(path, dtype)
+        vocab_size = petite.llm.engine.model.config.vocab_size
+        rows = []
+        for b in batch_sizes:
+            prompts = [p for p, _ in make_requests(b, prompt_len, prompt_len, vocab_size,
+                                                   seed=seed + b)]
+            hf.batch_size, row = b, dict(batch_size=b)
+            for peer in (petite, hf):
+                peer.generate(prompts[:1], [2])                  # warm-up: first-touch costs
+                sec = min(_timed(lambda: peer.generate(prompts, [new_tokens] * b))
+                          for _ in range(repeats))
+                row[f'{peer.name}_tok_s'] = b * new_tokens / sec
+            row['petite_vs_transformers'] = row['petite_llm_tok_s'] / row['transformers_tok_s']
+            rows.append(row)
+    return dict(model=path.name, dtype=dtype_name(dtype), threads=n, prompt_len=prompt_len,
+                new_tokens=new_tokens, repeats=repeats, torch=torch.__version__, rows=rows)
+
+def sweep_table(res: dict) -> str:
+    "The batch sweep as a plain-text table."
+    lines = [f"{'batch':>5}  {'petite_llm':>10}  {'transformers':>12}  petite/hf   (tok/s)"]
+    for r in res['rows']:
+        lines.append(f"{r['batch_size']:>5}  {r['petite_llm_tok_s']:>10.1f}  "
+                     f"{r['transformers_tok_s']:>12.1f}  {r['petite_vs_transformers']:8.2f}x")
+    lines.append(f"{res['model']} · {res['dtype']} · {res['threads']} threads · prompts of "
+                 f"{res['prompt_len']} tokens · {res['new_tokens']} new tokens · best of "
+                 f"{res['repeats']}")
+    return '\n'.join(lines)
+
+def plot_sweep(res: dict, path=None):
+    "tok/s against batch size for both engines; saved to path if given."
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(6, 3.6))
+    sizes = [r['batch_size'] for r in res['rows']]
+    for name, color in (('petite_llm', 'C0'), ('transformers', 'C1')):
+        ax.plot(sizes, [r[f'{name}_tok_s'] for r in res['rows']], 'o-', color=color, label=name)
+    ax.set_xscale('log', base=2)
+    ax.set_xticks(sizes, [str(b) for b in sizes])
+    ax.set_xlabel('batch size (equal-length prompts)')
+    ax.set_ylabel('output tokens / s')
+    ax.set_title(f"{res['model']} · {res['dtype']} · {res['threads']} threads", fontsize=9)
+    ax.grid(alpha=.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    if path is not None:
+        fig.savefig(path, dpi=110)
+    return fig
+
+# %% ../nbs/17_benchmarks.ipynb #7ac54d48
+SPEC_PASSAGE = ("The Rhine rises in the Swiss Alps, flows north along the border of Germany and "
+                "France, and reaches the North Sea in the Netherlands. For centuries it carried "
+                "coal, grain and timber, and its valley holds some of the oldest vineyards of "
+                "Europe.")
+SPEC_TASKS = {'grounded': f'Here is a passage:\n"""\n{SPEC_PASSAGE}\n"""\nRepeat the passage.',
+              'open-ended': "Write a short story about a lighthouse keeper who finds a message in "
+                            "a bottle."}
+
+def best_greedy(peers: dict, prompt: list[int], max_tokens: int, repeats: int) -> tuple[dict, dict]:
+    "Each peer's best tok/s over `repeats` turns, interleaved, and its last tokens."
+    best, tokens = dict.fromkeys(peers, 0.0), {}
+    for _ in range(repeats):
+        for name, peer in peers.items():
+            start = time.perf_counter()
+            tokens[name] = peer.greedy(prompt, max_tokens)
+            best[name] = max(best[name], len(tokens[name]) / (time.perf_counter() - start))
+    return best, tokens
+
+def run_speculative_benchmark(model=None, speculative: str = 'ngram',
+                              num_speculative_tokens: int = 4, max_tokens: int = 64,
+                              repeats: int = 3, dtype='bfloat16', threads=None,
+                              tasks=None, llm_kwargs=None) -> dict:
+    "Batch-1 greedy tok/s per task: petite_llm speculating and not, and transformers beside them."
+    from petite_llm.speculative import speculative_config
+    path, dtype = real_model(model), as_dtype(dtype)
+    spec = speculative_config(speculative, num_speculative_tokens)
+    out = dict(model=path.name, dtype=dtype_name(dtype), speculative_config=spec,
+               max_tokens=max_tokens, repeats=repeats, torch=torch.__version__, tasks={})
+    with num_threads(threads) as out['threads']:
+        peers = {'off': PetitePeer(path, dtype, **(llm_kwargs or {})),
+                 'on': PetitePeer(path, dtype, speculative_config=spec, **(llm_kwargs or {})),
+                 'transformers': TransformersPeer(path, dtype)}
+        for task, text in (tasks or SPEC_TASKS).items():
+            prompt = peers['off'].llm._chat_ids([{'role': 'user', 'content': text}])
+            best, tokens = best_greedy(peers, prompt, max_tokens, repeats)
+            m = peers['on'].metrics
+            out['tasks'][task] = dict(
+                prompt_tokens=len(prompt), output_tokens=len(tokens['on']),
+                **{f'{name}_tok_s': v for name, v in best.items()},
+                speedup=best['on'] / best['off'],
+                on_vs_transformers=best['on'] / best['transformers'],
+                acceptance_rate=m.acceptance_rate, mean_accepted_tokens=m.mean_accepted_tokens,
+                same_tokens_as_off=tokens['on'] == tokens['off'])
+    return out
+
+def speculative_table(res: dict) -> str:
+    "The speculation run as a plain-text table."
+    k = res['speculative_config']['num_speculative_tokens']
+    lines = [f"{'task':10}  {'off':>6}  {'on':>6}  {'on/off':>6}  {'hf':>6}  {'on/hf':>6}  "
+             f"acceptance  tokens  same as off"]
+    for task, r in res['tasks'].items():
+        rate = '-' if r['acceptance_rate'] is None else f"{r['acceptance_rate']:.2f}"
+        lines.append(f"{task:10}  {r['off_tok_s']:6.1f}  {r['on_tok_s']:6.1f}  {r['speedup']:5.2f}x"
+                     f"  {r['transformers_tok_s']:6.1f}  {r['on_vs_transformers']:5.2f}x  "
+                     f"{rate:>10}  {r['output_tokens']:>6}  {r['same_tokens_as_off']}")
+    lines.append(f"{res['model']} · {res['dtype']} · {res['threads']} threads · "
+                 f"{res['speculative_config']['method']}, k={k} · tok/s, best of {res['repeats']}")
+    return '\n'.join(lines)
+
+# %% ../nbs/17_benchmarks.ipynb #866ab319
+def _add_real_model_arguments(parser: argparse.ArgumentParser):
+    "The options every real-weight workload takes."
+    a = parser.add_argument
+    a('--model', help='a folder or .gguf file (default: the SmolLM2-135M-Instruct GGUF shipped)')
+    a('--dtype', default='bfloat16', help='bfloat16 (default), float16, float32')
+    a('--threads', type=int,
+      help='torch threads for the whole run (default: torch.get_num_threads())')
+    a('--out', nargs='?', const='images', help='save the JSON into this folder (default images/)')
+
+def add_sweep_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    "Add the `petite-llm bench sweep` options to an argparse parser."
+    _add_real_model_arguments(parser)
+    a = parser.add_argument
+    a('--batch-sizes', default='1,4,8,16,32', help='batch sizes to run (default 1,4,8,16,32)')
+    a('--prompt-len', type=int, default=64, help='tokens in every prompt (default 64)')
+    a('--new-tokens', type=int, default=64, help='tokens every request generates (default 64)')
+    a('--repeats', type=int, default=2, help='best of this many runs per size (default 2)')
+    return parser
+
+def add_speculative_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    "Add the `petite-llm bench speculative` options to an argparse parser."
+    _add_real_model_arguments(parser)
+    a = parser.add_argument
+    a('--speculative', default='ngram', metavar='ngram|DRAFT',
+      help="'ngram' (prompt lookup, default) or a draft model's folder or .gguf file")
+    a('--num-speculative-tokens', type=int, default=4, metavar='K',
+      help='tokens proposed per step (default 4)')
+    a('--max-tokens', type=int, default=64, help='most tokens per answer (default 64)')
+    a('--repeats', type=int, default=3, help='best of this many turns (default 3)')
+    return parser
+
+def _report(res: dict, table: str, out, name: str, plot=None):
+    "A real-weight run's JSON on stdout, its table on stderr, the JSON (and picture) under out."
+    if out:
+        out = Path(out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out/f'{name}.json').write_text(json.dumps(res, indent=2))
+        if plot is not None:
+            plot(res, out/f'{name}.png')
+    print(table, file=sys.stderr)
+    print(json.dumps(res, indent=2))
+
+def run_sweep(args) -> dict:
+    "Run `petite-llm bench sweep` from parsed arguments; return the dict."
+    with contextlib.redirect_stdout(sys.stderr):
+        res = run_batch_sweep(args.model, tuple(int(b) for b in args.batch_sizes.split(',')),
+                              args.prompt_len, args.new_tokens, args.repeats, args.dtype,
+                              args.threads)
+    _report(res, sweep_table(res), args.out, 'bench_sweep', plot_sweep)
+    return res
+
+def run_speculative(args) -> dict:
+    "Run `petite-llm bench speculative` from parsed arguments; return the dict."
+    with contextlib.redirect_stdout(sys.stderr):
+        res = run_speculative_benchmark(args.model, args.speculative, args.num_speculative_tokens,
+                                        args.max_tokens, args.repeats, args.dtype, args.threads)
+    _report(res, speculative_table(res), args.out, 'bench_speculative')
+    return res

@@ -18,8 +18,8 @@ from .sampling import Sampler, SamplingParams, draw, exponential_noise, seed_for
 from .scheduler import Scheduler, SchedulerOutput, Sequence, SequenceStatus
 
 # %% auto #0
-__all__ = ['SPECULATIVE_METHODS', 'SpeculativeConfig', 'ngram_propose', 'verify_drafts', 'emitted_tokens', 'speculate_pairs',
-           'pair_chi_square', 'load_draft_model', 'draft_params', 'DraftModelProposer', 'Speculator']
+__all__ = ['SPECULATIVE_METHODS', 'SpeculativeConfig', 'speculative_config', 'ngram_propose', 'verify_drafts', 'emitted_tokens',
+           'speculate_pairs', 'pair_chi_square', 'load_draft_model', 'draft_params', 'DraftModelProposer', 'Speculator']
 
 # %% ../nbs/15_speculative.ipynb #aa4a30e5
 SPECULATIVE_METHODS = ('ngram', 'draft_model')
@@ -86,6 +86,15 @@ class SpeculativeConfig:
         if 'num_speculative_tokens' not in config:
             _config_error("give num_speculative_tokens, the tokens proposed per step (e.g. 4)")
         return cls(**config)
+
+# %% ../nbs/15_speculative.ipynb #7a049784
+def speculative_config(speculative: str, num_speculative_tokens: int = 4) -> dict:
+    "`--speculative ngram|DRAFT` as a speculative_config: prompt lookup over 2–4-grams, or a draft."
+    if speculative == 'ngram':
+        return dict(method='ngram', num_speculative_tokens=num_speculative_tokens,
+                    prompt_lookup_min=2, prompt_lookup_max=4)
+    return dict(method='draft_model', model=speculative,
+                num_speculative_tokens=num_speculative_tokens)
 
 # %% ../nbs/15_speculative.ipynb #465e1cb9
 def ngram_propose(token_ids, num_speculative_tokens: int, prompt_lookup_min: int,
