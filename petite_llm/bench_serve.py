@@ -294,6 +294,7 @@ def run_serve_benchmark(model=None, base_url: str | None = None,
                         threads: int | None = None, transformers_args=(), log_dir=None) -> dict:
     "One workload against a running server (base_url), or against each engine's, started here."
     from petite_llm.tokenizer import Tokenizer
+    from petite_llm.engine import default_dtype
     from petite_llm.weights import resolve_model_path, smollm2_gguf_path
     if requests < 1:
         raise ValueError(f"requests must be at least 1, got {requests}")
@@ -328,7 +329,8 @@ def run_serve_benchmark(model=None, base_url: str | None = None,
         return res
     import torch
     device = device or ('cuda' if torch.cuda.is_available() else 'cpu')
-    dtype = dtype or ('bfloat16' if device.startswith('cuda') else 'float32')
+    # both servers get it explicitly: chapter 14's default rule, named
+    dtype = dtype or str(default_dtype(device)).removeprefix('torch.')
     env = dict(os.environ, **({'OMP_NUM_THREADS': str(threads)} if threads else {}))
     logs = Path(log_dir or tempfile.mkdtemp(prefix='petite-llm-bench-serve-'))
     logs.mkdir(parents=True, exist_ok=True)
@@ -368,7 +370,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     a('--seed', type=int, default=0, help='seed of the lengths, prompts and arrivals')
     a('--engines', default='petite_llm,transformers',
       help='whose servers to start, one after the other (default petite_llm,transformers)')
-    a('--dtype', help='the servers\' dtype (default: bfloat16 on a GPU, float32 on the CPU)')
+    a('--dtype', help="the servers' dtype (default: chapter 14's default_dtype)")
     a('--device', help='the servers\' device (default: cuda when there is a GPU, else cpu)')
     a('--threads', type=int, help="each server's torch threads (default: torch's, one per core)")
     a('--transformers-args', default='', metavar='ARGS',
