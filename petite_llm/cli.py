@@ -65,10 +65,13 @@ def _add_model_args(p: argparse.ArgumentParser):
                         "itself, a model path or id drafts with that model")
     g.add_argument('--num-speculative-tokens', type=int, default=4, metavar='K',
                    help='tokens proposed per step with --speculative (default 4)')
+    g.add_argument('--quantization', choices=['int8'],
+                   help='int8 weights, one scale per output row (chapter 18)')
 
 def engine_options(args) -> dict:
     "LLM/LLMEngine keyword arguments from the engine options of a command."
-    options = dict(attention_backend=args.attention_backend, enforce_eager=args.enforce_eager)
+    options = dict(attention_backend=args.attention_backend, enforce_eager=args.enforce_eager,
+                   quantization=args.quantization)
     if args.speculative:
         from petite_llm.speculative import speculative_config
         options['speculative_config'] = speculative_config(args.speculative,
@@ -142,7 +145,8 @@ class Runner:
         if no_cache:
             from petite_llm.tokenizer import Tokenizer
             from petite_llm.engine import load_engine_model
-            self.model = load_engine_model(model, dtype, device)[0].eval()
+            self.model = load_engine_model(model, dtype, device,
+                                           engine_options.get('quantization'))[0].eval()
             self.tokenizer = Tokenizer.from_pretrained(model)
             self.generation_config = self.tokenizer.generation_config or {}
         else:

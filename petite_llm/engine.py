@@ -551,9 +551,10 @@ class LLMEngine:
         return self.output_processor.requests
 
     @classmethod
-    def from_pretrained(cls, model, dtype=None, device=None, tokenizer=None, **kwargs) -> LLMEngine:
+    def from_pretrained(cls, model, dtype=None, device=None, tokenizer=None,
+                        quantization: str | None = None, **kwargs) -> LLMEngine:
         "Load a model (folder, .gguf, hub id or a built model) and its tokenizer; build the engine."
-        net, path = load_engine_model(model, dtype, device)
+        net, path = load_engine_model(model, dtype, device, quantization)
         if isinstance(tokenizer, (str, os.PathLike)) or (tokenizer is None and path is not None):
             try:
                 tokenizer = Tokenizer.from_pretrained(tokenizer or path)
@@ -670,9 +671,19 @@ def _num_prompt_tokens(scheduled: SchedulerOutput) -> int:
     return sum(num_new for seq, num_new in zip(scheduled.seqs, scheduled.num_new_tokens)
                if not seq.is_decoding)
 
-def load_engine_model(model, dtype=None, device=None) -> tuple[nn.Module, Path | None]:
+def load_engine_model(model, dtype=None, device=None,
+                      quantization: str | None = None) -> tuple[nn.Module, Path | None]:
     "A model for the engine and the path it came from: a built model moved, or a path loaded."
+    if quantization is not None:
+        # chapter 18 builds on this module, so it is imported only when asked for
+        from petite_llm.quantization import QUANTIZATION_METHODS, load_q8_0, quantize_model
+        if quantization not in QUANTIZATION_METHODS:
+            raise ValueError(f"unknown quantization {quantization!r}: choose one of "
+                             f"{', '.join(map(repr, QUANTIZATION_METHODS))} (or None)")
     if isinstance(model, torch.nn.Module):
+        if quantization is not None:
+            raise ValueError("quantization applies to a model the engine loads: pass its path, "
+                             "or quantize the model yourself (petite_llm.quantization)")
         return model.to(device=device, dtype=parse_dtype(dtype)), None
     from petite_llm.weights import load_model, resolve_model_path
     path = resolve_model_path(model)
@@ -686,6 +697,12 @@ def load_engine_model(model, dtype=None, device=None) -> tuple[nn.Module, Path |
                     str(default_dtype(device)).removeprefix('torch.'),
                     f"{native} computes bfloat16 natively" if native else
                     f"no native bfloat16 on {torch.device(device).type}")
+    if quantization is not None:
+        num = quantize_model(net, quantization)
+        # a GGUF's Q8_0 matrices come from their blocks, not from the float copy just loaded
+        from_gguf = load_q8_0(net, path) if path.suffix == '.gguf' else 0
+        logger.info("%d linear layers quantized to %s (%d of them read from Q8_0 blocks)",
+                    num, quantization, from_gguf)
     if num_packed := prepack_linears(net):
         logger.info("packed %d linear layers for oneDNN (bfloat16 on CPU)", num_packed)
     return net, path
@@ -791,10 +808,12 @@ class LLM:
                  max_model_len: int | None = None, max_num_batched_tokens: int = 2048,
                  max_num_seqs: int | None = None, enable_prefix_caching: bool = True,
                  tokenizer=None, speculative_config: dict | None = None,
-                 attention_backend: str = 'auto', enforce_eager: bool = False):
+                 attention_backend: str = 'auto', enforce_eager: bool = False,
+                 quantization: str | None = None):
         self.engine = LLMEngine.from_pretrained(
-            model, dtype=dtype, device=device, tokenizer=tokenizer, block_size=block_size,
-            kv_cache_memory=kv_cache_memory, gpu_memory_utilization=gpu_memory_utilization,
+            model, dtype=dtype, device=device, tokenizer=tokenizer, quantization=quantization,
+            block_size=block_size, kv_cache_memory=kv_cache_memory,
+            gpu_memory_utilization=gpu_memory_utilization,
             max_model_len=max_model_len, max_num_batched_tokens=max_num_batched_tokens,
             max_num_seqs=max_num_seqs, enable_prefix_caching=enable_prefix_caching,
             speculative_config=speculative_config, attention_backend=attention_backend,

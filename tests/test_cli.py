@@ -57,6 +57,7 @@ def test_help_is_fast_and_works_as_a_script():
     (['generate', '--system', 'be nice', 'hi'], '--system only makes sense with --chat'),
     (['generate', '--attention-backend', 'flash', 'hi'], 'invalid choice'),
     (['generate', '--num-speculative-tokens', 'x', 'hi'], "invalid int value: 'x'"),
+    (['generate', '--quantization', 'int4', 'hi'], 'invalid choice'),
 ])
 def test_bad_arguments_exit_2(argv, msg):
     code, _, err = run(argv)
@@ -81,7 +82,9 @@ def test_engine_options():
     from petite_llm.cli import engine_options
     parse = build_parser().parse_args
     assert engine_options(parse(['generate', 'hi'])) == dict(attention_backend='auto',
-                                                           enforce_eager=False)
+                                                           enforce_eager=False, quantization=None)
+    assert engine_options(parse(['generate', '--quantization', 'int8', 'hi']))['quantization'] \
+        == 'int8'
     args = parse(['serve', '--attention-backend', 'torch', '--enforce-eager',
                   '--speculative', 'ngram', '--num-speculative-tokens', '3'])
     options = engine_options(args)

@@ -475,3 +475,19 @@ def test_default_dtype_follows_the_cpu(monkeypatch, amx, avx512_bf16, want):
     monkeypatch.setattr(torch.cpu, '_is_avx512_bf16_supported', lambda: avx512_bf16)
     assert default_dtype('cpu') == want
     assert (native_bf16('cpu') is not None) == (want == torch.bfloat16)
+
+
+def test_quantization_int8_through_llm(f32):
+    "LLM(quantization='int8'): no float linear is left and it generates; bad values are refused."
+    from petite_llm.quantization import Int8Linear
+    path, hf = f32
+    llm = LLM(path, dtype=torch.float32, quantization='int8', kv_cache_memory=1 << 20)
+    linears = [m for m in llm.engine.model.modules() if isinstance(m, torch.nn.Linear)]
+    assert not linears and any(isinstance(m, Int8Linear) for m in llm.engine.model.modules())
+    out = llm.generate([[5, 6, 7, 8]], SamplingParams(temperature=0, max_tokens=4),
+                       use_tqdm=False)[0]
+    assert len(out.token_ids) == 4
+    with pytest.raises(ValueError, match="unknown quantization 'int4'"):
+        LLM(path, quantization='int4')
+    with pytest.raises(ValueError, match="quantization applies to a model the engine loads"):
+        LLM(llm.engine.model, quantization='int8')
