@@ -340,6 +340,8 @@ def run_benchmark(model=None, shape=None, layers=None, dtype='bfloat16', threads
     with num_threads(threads):
         rope_theta = cfg.get('rope_theta') or (cfg.get('rope_parameters') or {}).get('rope_theta')
         res = dict(shape=opts['shape'] if not model else str(model), dtype=dtype_name(dtype),
+                   petite_llm_options={k: v for k, v in (llm_kwargs or {}).items()
+                                       if v is not None},
                    device=str(device), threads=torch.get_num_threads(), torch=torch.__version__,
                    machine=platform.machine(), cpu_count=os.cpu_count(),
                    config={k: cfg.get(k) for k in SHAPES['tiny']} | dict(rope_theta=rope_theta),
@@ -461,6 +463,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     a('--engines', default='petite_llm,transformers', help='which engines to run (default both)')
     a('--kv-cache-memory', type=int,
       help="petite_llm's KV cache budget in bytes (default: the engine's)")
+    a('--quantization', choices=['int8'],
+      help="petite_llm's weights as int8, one scale per row (chapter 18; default: --dtype's)")
     a('--quick', action='store_true',
       help='a smoke run in seconds: tiny shape, few requests, short lengths')
     a('--out', nargs='?', const='images',
@@ -469,9 +473,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 def run(args) -> dict:
     "Run `petite-llm bench` from parsed arguments: JSON on stdout, --out files; return the dict."
-    llm_kwargs = {}
+    llm_kwargs = dict(quantization=args.quantization)
     if args.kv_cache_memory is not None:
-        llm_kwargs = dict(kv_cache_memory=args.kv_cache_memory)
+        llm_kwargs['kv_cache_memory'] = args.kv_cache_memory
     batch_sizes = tuple(int(b) for b in args.batch_sizes.split(','))
     engines = tuple(e.strip() for e in args.engines.split(','))
     # keep stdout pure JSON whatever the engines print
