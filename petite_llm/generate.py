@@ -19,7 +19,7 @@ __all__ = ['last_token_logits', 'GenerationResult', 'GenerationStream', 'stream_
 # %% ../nbs/09_generate.ipynb #448c62ac
 def last_token_logits(model, token_ids: list[int]) -> torch.Tensor:
     "Run the whole sequence through the reference path; return its last position's logits [1, V]."
-    device = model.lm_head.weight.device
+    device = model.model.embed_tokens.weight.device  # lm_head may be packed: no .weight
     input_ids = torch.tensor(token_ids, device=device)                               # [T]
     positions = torch.arange(len(token_ids), device=device)                          # [T]
     hidden = model.model(input_ids, positions)                                        # [T, H]
