@@ -685,7 +685,7 @@ def load_engine_model(model, dtype=None, device=None,
             raise ValueError("quantization applies to a model the engine loads: pass its path, "
                              "or quantize the model yourself (petite_llm.quantization)")
         return model.to(device=device, dtype=parse_dtype(dtype)), None
-    from petite_llm.weights import load_model, resolve_model_path
+    from petite_llm.weights import checkpoint_path, load_model, resolve_model_path
     path = resolve_model_path(model)
     if device is None:
         device = 'cuda' if torch.cuda.is_available() else 'cpu'
@@ -700,7 +700,8 @@ def load_engine_model(model, dtype=None, device=None,
     if quantization is not None:
         num = quantize_model(net, quantization)
         # a GGUF's Q8_0 matrices come from their blocks, not from the float copy just loaded
-        from_gguf = load_q8_0(net, path) if path.suffix == '.gguf' else 0
+        file = checkpoint_path(path)                # a folder holding one .gguf: that file
+        from_gguf = load_q8_0(net, file) if file.suffix == '.gguf' else 0
         logger.info("%d linear layers quantized to %s (%d of them read from Q8_0 blocks)",
                     num, quantization, from_gguf)
     if num_packed := prepack_linears(net):

@@ -19,7 +19,7 @@ from .model import Qwen3ForCausalLM
 # %% auto #0
 __all__ = ['resolve_model_path', 'checkpoint_files', 'map_hf_name', 'load_weights', 'load_safetensors', 'weights_nbytes',
            'smollm2_gguf_path', 'qwen25_coder_gguf_path', 'map_gguf_name', 'permute_qk', 'unpermute_qk', 'gguf_tensors',
-           'load_gguf', 'load_model']
+           'load_gguf', 'checkpoint_path', 'load_model']
 
 # %% ../nbs/06_weights.ipynb #0070e9c9
 _HUB_PATTERNS = ['*.json', '*.safetensors', 'tokenizer*', 'vocab*', 'merges.txt', '*.tiktoken']
@@ -331,14 +331,19 @@ def load_gguf(file, dtype: torch.dtype | None = None, device=None,
     return model
 
 # %% ../nbs/06_weights.ipynb #de59032b
-def load_model(path_or_id, dtype: torch.dtype | None = None, device=None,
-               progress: bool = True) -> Qwen3ForCausalLM:
-    "A model from a folder, .gguf file or hub id; by default in the checkpoint's dtype, on the CPU."
+def checkpoint_path(path_or_id) -> Path:
+    "The folder or .gguf file to load: a folder with no safetensors but one .gguf means that file."
     path = resolve_model_path(path_or_id)
     if path.is_dir() and not any(path.glob('*.safetensors')):
         ggufs = sorted(path.glob('*.gguf'))
         if len(ggufs) == 1:
             path = ggufs[0]
+    return path
+
+def load_model(path_or_id, dtype: torch.dtype | None = None, device=None,
+               progress: bool = True) -> Qwen3ForCausalLM:
+    "A model from a folder, .gguf file or hub id; by default in the checkpoint's dtype, on the CPU."
+    path = checkpoint_path(path_or_id)
     if path.suffix == '.gguf':
         return load_gguf(path, dtype, device, progress)
     return load_safetensors(path, dtype, device, progress)

@@ -491,3 +491,12 @@ def test_quantization_int8_through_llm(f32):
         LLM(path, quantization='int4')
     with pytest.raises(ValueError, match="quantization applies to a model the engine loads"):
         LLM(llm.engine.model, quantization='int8')
+
+
+def test_quantization_reads_q8_0_from_a_gguf_in_a_folder(tmp_path, caplog):
+    "A folder holding one .gguf is that file: its Q8_0 matrix (SmolLM2's head) comes from its blocks."
+    from petite_llm.weights import smollm2_gguf_path
+    (tmp_path/'model.gguf').symlink_to(smollm2_gguf_path())
+    with caplog.at_level(logging.INFO, logger="petite_llm.engine"):
+        LLM(tmp_path, quantization='int8', kv_cache_memory=1 << 20)
+    assert "(1 of them read from Q8_0 blocks)" in caplog.text
