@@ -21,7 +21,7 @@ __all__ = ['INT8_MM_MAX_ROWS', 'QUANTIZATION_METHODS', 'Q8_0_BLOCK', 'quantize_i
 
 # %% ../nbs/18_quantization.ipynb #3d1a4170
 def quantize_int8(weight: torch.Tensor, dtype: torch.dtype | None = None):
-    "Per-row symmetric int8 of weight [out, in]: q [out, in] int8 and scale [out], q*scale ≈ weight."
+    "Per-row symmetric int8 of weight [out, in]: q [out, in] int8, scale [out]; q*scale ≈ weight."
     w = weight.detach().float()
     scale = (w.abs().amax(dim=1) / 127).to(dtype or weight.dtype)          # [out]
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))          # all-zero rows
