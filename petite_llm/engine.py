@@ -689,12 +689,13 @@ def load_engine_model(model, dtype=None, device=None,
     path = resolve_model_path(model)
     if device is None:
         device = 'cuda' if torch.cuda.is_available() else 'cpu'
-    net = load_model(path, dtype=parse_dtype(dtype), device=torch.device(device))
-    if parse_dtype(dtype) is None and next(net.parameters()).dtype == torch.float32:
+    dtype = parse_dtype(dtype)
+    net = load_model(path, dtype=dtype, device=torch.device(device))
+    if dtype is None and next(net.parameters()).dtype == torch.float32:
         # a float32 checkpoint (or a dequantized GGUF) runs in the device's default dtype
-        net, native = net.to(default_dtype(device)), native_bf16(device)
-        logger.info("dtype %s for a float32 checkpoint: %s",
-                    str(default_dtype(device)).removeprefix('torch.'),
+        dtype, native = default_dtype(device), native_bf16(device)
+        net = net.to(dtype)
+        logger.info("dtype %s for a float32 checkpoint: %s", str(dtype).removeprefix('torch.'),
                     f"{native} computes bfloat16 natively" if native else
                     f"no native bfloat16 on {torch.device(device).type}")
     if quantization is not None:
