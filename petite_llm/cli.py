@@ -60,6 +60,8 @@ def _add_model_args(p: argparse.ArgumentParser):
                         "(default auto: triton on a GPU, torch on the CPU)")
     g.add_argument('--enforce-eager', action='store_true',
                    help='no CUDA graphs: run every decode step eagerly (chapter 14)')
+    g.add_argument('--enable-torch-compile', action='store_true',
+                   help="compile the model's small ops with torch.compile, CPU only (chapter 14)")
     g.add_argument('--speculative', metavar='ngram|DRAFT',
                    help="speculative decoding (chapter 15): 'ngram' proposes from the text "
                         "itself, a model path or id drafts with that model")
@@ -71,7 +73,7 @@ def _add_model_args(p: argparse.ArgumentParser):
 def engine_options(args) -> dict:
     "LLM/LLMEngine keyword arguments from the engine options of a command."
     options = dict(attention_backend=args.attention_backend, enforce_eager=args.enforce_eager,
-                   quantization=args.quantization)
+                   enable_torch_compile=args.enable_torch_compile, quantization=args.quantization)
     if args.speculative:
         from petite_llm.speculative import speculative_config
         options['speculative_config'] = speculative_config(args.speculative,

@@ -9,7 +9,9 @@ import json
 import logging
 import importlib.util
 import os
+import shutil
 import time
+from contextvars import ContextVar
 from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
@@ -31,10 +33,12 @@ from .tokenizer import IncrementalDetokenizer, Tokenizer
 logger = logging.getLogger(__name__)
 
 # %% auto #0
-__all__ = ['logger', 'ATTENTION_BACKENDS', 'CPU_KV_FRACTION', 'CPU_KV_CAP', 'ModelRunnerOutput', 'ModelRunner', 'native_bf16',
-           'default_dtype', 'get_attention_backend', 'CompletionOutput', 'SpecDecodingStats', 'RequestMetrics',
-           'RequestOutput', 'default_kv_cache_memory', 'OutputProcessor', 'EngineStats', 'LLMEngine',
-           'load_engine_model', 'cuda_graph_batch_sizes', 'capture_cuda_graph', 'CUDAGraphs', 'merge_outputs', 'LLM']
+__all__ = ['logger', 'ATTENTION_BACKENDS', 'CPU_KV_FRACTION', 'CPU_KV_CAP', 'OPAQUE_ATTENTION', 'ModelRunnerOutput',
+           'ModelRunner', 'native_bf16', 'default_dtype', 'get_attention_backend', 'CompletionOutput',
+           'SpecDecodingStats', 'RequestMetrics', 'RequestOutput', 'default_kv_cache_memory', 'OutputProcessor',
+           'EngineStats', 'LLMEngine', 'load_engine_model', 'cuda_graph_batch_sizes', 'capture_cuda_graph',
+           'CUDAGraphs', 'unified_attention', 'OpaqueAttention', 'compile_model', 'run_compiled', 'merge_outputs',
+           'LLM']
 
 # %% ../nbs/14_engine.ipynb #f0c44ed1
 @dataclass
@@ -60,6 +64,7 @@ class ModelRunner:
         self.backend = backend if backend is not None else TorchAttentionBackend()
         self.sampler = Sampler()
         self.cuda_graphs: CUDAGraphs | None = None    # captured by capture_cuda_graphs
+        self.compiled: Callable | None = None         # the model under torch.compile (CPU)
         self.speculator = None                        # set by an engine that speculates
 
     def prepare(self, scheduled: SchedulerOutput):
@@ -78,6 +83,8 @@ class ModelRunner:
         # our pool, even if another engine shares the model
         for layer, kv_cache in zip(self.attn_layers, self.kv_caches):
             layer.kv_cache = kv_cache
+        if self.compiled is not None:
+            return run_compiled(self.compiled, input_ids, positions, attn_metadata)
         return self.model(input_ids, positions, attn_metadata)
 
     @torch.inference_mode()
@@ -468,7 +475,7 @@ class LLMEngine:
                  max_num_seqs: int | None = None, enable_prefix_caching: bool = True,
                  generation_config: dict | None = None,
                  attention_backend: str | AttentionBackend = 'auto', enforce_eager: bool = False,
-                 speculative_config: dict | None = None):
+                 speculative_config: dict | None = None, enable_torch_compile: bool = False):
         cfg, self.model, self.tokenizer = model.config, model, tokenizer
         if generation_config is None:
             generation_config = getattr(tokenizer, 'generation_config', {})
@@ -531,6 +538,10 @@ class LLMEngine:
         logger.info("attention backend: %s; decode steps %s", attention_backend.name,
                     f"replay CUDA graphs for batch sizes {self.runner.cuda_graphs.batch_sizes}"
                     if self.cuda_graphs else "run eagerly")
+        if enable_torch_compile:
+            self.runner.compiled = compile_model(model)
+            logger.info("torch.compile: each new kind of step compiles on its first run "
+                        "(about a minute for Qwen3-0.6B on two cores)")
         self.speculator = None
         if speculative_config is not None:
             from petite_llm.speculative import Speculator
@@ -786,6 +797,61 @@ class CUDAGraphs:
         replay()
         return hidden[:num_seqs]
 
+# %% ../nbs/14_engine.ipynb #bdcd5818
+# the metadata of the step a compiled model is running, for its attention op to read
+_step_metadata: ContextVar[AttentionMetadata] = ContextVar('petite_llm_step_metadata')
+
+@torch.library.custom_op('petite_llm::unified_attention', mutates_args=('k_cache', 'v_cache'))
+def unified_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                      v_cache: torch.Tensor, scale: float) -> torch.Tensor:
+    "The step's backend.forward as one op: store k/v [T, nkv, hd], attend -> [T, nh, hd]."
+    md = _step_metadata.get()
+    return md.backend.forward(q, k, v, (k_cache, v_cache), md, scale)
+
+@unified_attention.register_fake
+def _(q, k, v, k_cache, v_cache, scale):                    # the output's shape, for tracing
+    return torch.empty_like(q)
+
+class OpaqueAttention:
+    "The attn_metadata a compiled model sees: a backend whose forward is unified_attention."
+    name = 'opaque'
+
+    @property
+    def backend(self):
+        return self
+
+    def forward(self, q, k, v, kv_cache, md, scale) -> torch.Tensor:
+        "Attention as one call the compiler does not look into, whatever the step is."
+        return torch.ops.petite_llm.unified_attention(q, k, v, *kv_cache, scale)
+
+OPAQUE_ATTENTION = OpaqueAttention()
+
+def _cxx_compiler() -> str | None:
+    "The C++ compiler inductor would use ($CXX, else g++, c++ or clang++), if there is one."
+    names = [os.environ['CXX']] if os.environ.get('CXX') else ['g++', 'c++', 'clang++']
+    return next((path for name in names if (path := shutil.which(name))), None)
+
+def compile_model(model: nn.Module) -> Callable:
+    "model under torch.compile for the CPU: the small ops fused, linears and attention opaque."
+    device = next(model.parameters()).device
+    if device.type != 'cpu':
+        raise ValueError(f"enable_torch_compile is for the CPU, and the model is on {device}: "
+                         "on a GPU, CUDA graphs (enforce_eager=False) remove the launch overhead")
+    if _cxx_compiler() is None:
+        raise RuntimeError("enable_torch_compile needs a C++ compiler for inductor and found none: "
+                           "install g++ (apt install g++) or set $CXX, or leave compile off")
+    # one graph for one-token steps and one for the rest; bf16 rounded where eager rounds it
+    return torch.compile(model, dynamic=True, options={'emulate_precision_casts': True})
+
+def run_compiled(compiled: Callable, input_ids: torch.Tensor, positions: torch.Tensor,
+                 attn_metadata: AttentionMetadata) -> torch.Tensor:
+    "A compiled model over the flat batch, its attention op reading this step's metadata: [T, H]."
+    token = _step_metadata.set(attn_metadata)
+    try:
+        return compiled(input_ids, positions, OPAQUE_ATTENTION)
+    finally:
+        _step_metadata.reset(token)
+
 # %% ../nbs/14_engine.ipynb #dd9ab168
 def _is_token_ids(p) -> bool:
     "True for one prompt given as token ids (a non-empty list of ints)."
@@ -811,6 +877,7 @@ class LLM:
                  max_num_seqs: int | None = None, enable_prefix_caching: bool = True,
                  tokenizer=None, speculative_config: dict | None = None,
                  attention_backend: str = 'auto', enforce_eager: bool = False,
+                 enable_torch_compile: bool = False,
                  quantization: str | None = None):
         self.engine = LLMEngine.from_pretrained(
             model, dtype=dtype, device=device, tokenizer=tokenizer, quantization=quantization,
@@ -819,7 +886,7 @@ class LLM:
             max_model_len=max_model_len, max_num_batched_tokens=max_num_batched_tokens,
             max_num_seqs=max_num_seqs, enable_prefix_caching=enable_prefix_caching,
             speculative_config=speculative_config, attention_backend=attention_backend,
-            enforce_eager=enforce_eager)
+            enforce_eager=enforce_eager, enable_torch_compile=enable_torch_compile)
         # request id -> what it gained since its consumer last looked (None: nothing yet)
         self._unread: dict[str, RequestOutput | None] = {}
 

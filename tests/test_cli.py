@@ -81,8 +81,10 @@ def test_engine_options():
     "The engine flags become LLM's keyword arguments, with vLLM's speculative_config keys."
     from petite_llm.cli import engine_options
     parse = build_parser().parse_args
-    assert engine_options(parse(['generate', 'hi'])) == dict(attention_backend='auto',
-                                                           enforce_eager=False, quantization=None)
+    assert engine_options(parse(['generate', 'hi'])) == dict(
+        attention_backend='auto', enforce_eager=False, enable_torch_compile=False,
+        quantization=None)
+    assert engine_options(parse(['chat', '--enable-torch-compile']))['enable_torch_compile']
     assert engine_options(parse(['generate', '--quantization', 'int8', 'hi']))['quantization'] \
         == 'int8'
     args = parse(['serve', '--attention-backend', 'torch', '--enforce-eager',

@@ -500,3 +500,22 @@ def test_quantization_reads_q8_0_from_a_gguf_in_a_folder(tmp_path, caplog):
     with caplog.at_level(logging.INFO, logger="petite_llm.engine"):
         LLM(tmp_path, quantization='int8', kv_cache_memory=1 << 20)
     assert "(1 of them read from Q8_0 blocks)" in caplog.text
+
+
+def test_compiled_engine_greedy_parity_f64(f64):
+    "With enable_torch_compile, chunked prefill and decode still give transformers' greedy tokens."
+    path, hf = f64
+    llm = LLM(path, block_size=4, max_num_batched_tokens=16, enable_torch_compile=True,
+              kv_cache_memory=_pool(path, 1024, 4))
+    assert llm.engine.runner.compiled is not None
+    _check_greedy(llm, hf, _prompts(2)[:6], _max_tokens(2)[:6])
+
+
+def test_compile_refusals(f64, monkeypatch):
+    "torch.compile is refused off the CPU and without a C++ compiler, each with what to do."
+    from petite_llm.engine import compile_model
+    with pytest.raises(ValueError, match="CUDA graphs"):
+        compile_model(torch.nn.Linear(2, 2, device='meta'))
+    monkeypatch.setenv('CXX', 'no-such-c++-compiler')
+    with pytest.raises(RuntimeError, match="install g\\+\\+"):
+        LLM(f64[0], enable_torch_compile=True)

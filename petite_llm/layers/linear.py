@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 # %% auto 0
-__all__ = ['MergedLinear', 'packed_linear_available', 'PackedLinear', 'prepack_linears']
+__all__ = ['MergedLinear', 'packed_linear_available', 'packed_linear', 'PackedLinear', 'prepack_linears']
 
 # %% ../../nbs/03_attention.ipynb #0e0b4190
 import torch
@@ -40,6 +40,16 @@ def packed_linear_available(dtype: torch.dtype, device='cpu') -> bool:
         return torch.ops.mkldnn._is_mkldnn_bf16_supported()
     return dtype == torch.float32
 
+@torch.library.custom_op('petite_llm::packed_linear', mutates_args=())
+def packed_linear(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None,
+                  out_features: int) -> torch.Tensor:
+    "oneDNN's product on a packed weight, as one op that torch.compile calls without tracing."
+    return torch.ops.mkldnn._linear_pointwise(x, packed_weight, bias, 'none', [], '')
+
+@packed_linear.register_fake
+def _(x, packed_weight, bias, out_features):                # the output's shape, for tracing
+    return x.new_empty(*x.shape[:-1], out_features)
+
 class PackedLinear(nn.Module):
     "x @ weight.T + bias with the weight reordered once into oneDNN's blocked layout (CPU)."
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
@@ -51,6 +61,8 @@ class PackedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:   # [T, in] -> [T, out]
         "The product F.linear(x, weight, bias) computes."
+        if torch.compiler.is_compiling():                  # see "the small ops compiled"
+            return packed_linear(x, self.packed_weight, self.bias, self.out_features)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, 'none', [], '')
 
     def extra_repr(self):
