@@ -498,9 +498,10 @@ def run(args) -> dict:
 # %% ../nbs/17_benchmarks.ipynb #2c6650ea
 def profile_decode(path, dtype='bfloat16', prompt_len: int = 512, steps: int = 10, top: int = 15,
                    llm_kwargs=None) -> dict:
-    "CPU ms per batch-1 decode step by function: cProfile on one thread's CPU time, robust to load."
-    import cProfile, pstats
-    from petite_llm.engine import LLM
+    "CPU ms per batch-1 decode step by function and by part: cProfile on one thread's CPU time."
+    import cProfile, inspect, pstats
+    from petite_llm.engine import LLM, ModelRunner
+    from petite_llm.scheduler import Scheduler
     from petite_llm.sampling import SamplingParams
     old = torch.get_num_threads()
     torch.set_num_threads(1)  # thread_time sees only this thread: keep all the work on it
@@ -522,8 +523,21 @@ def profile_decode(path, dtype='bfloat16', prompt_len: int = 512, steps: int = 1
         total = time.thread_time() - start
     finally:
         torch.set_num_threads(old)
+    stats = pstats.Stats(prof).stats
+
+    def cumulative_ms(fn) -> float:
+        "CPU ms per step in fn and what it calls."
+        code = inspect.unwrap(fn).__code__
+        entry = stats.get((code.co_filename, code.co_firstlineno, code.co_name))
+        return 0.0 if entry is None else entry[3] / steps * 1e3
+    step_ms, run_ms = total / steps * 1e3, cumulative_ms(ModelRunner.run)
+    forward_ms, prepare_ms = cumulative_ms(ModelRunner.forward), cumulative_ms(ModelRunner.prepare)
+    schedule_ms = cumulative_ms(Scheduler.schedule)
+    parts = {'model forward': forward_ms, 'lm_head and sampling': run_ms - forward_ms - prepare_ms,
+             'host: metadata (prepare)': prepare_ms, 'host: schedule': schedule_ms,
+             'host: outputs and the rest': step_ms - run_ms - schedule_ms}
     rows = []
-    for (file, line, func), (_, _, tottime, _, _) in pstats.Stats(prof).stats.items():
+    for (file, line, func), (_, _, tottime, _, _) in stats.items():
         if file == '~':
             # a builtin: "<built-in method torch._C._nn.linear>",
             # "<method 'to' of 'torch._C.TensorBase' objects>"
@@ -536,7 +550,7 @@ def profile_decode(path, dtype='bfloat16', prompt_len: int = 512, steps: int = 1
             name = f"{Path(file).parent.name}/{Path(file).name}:{func}"
         rows.append((name, tottime / steps * 1e3))
     rows.sort(key=lambda r: -r[1])
-    return dict(step_ms=total / steps * 1e3, prompt_len=prompt_len, top=rows[:top])
+    return dict(step_ms=step_ms, prompt_len=prompt_len, top=rows[:top], parts=parts)
 
 # %% ../nbs/17_benchmarks.ipynb #dc8a5f98
 def _fmt(v) -> str:
