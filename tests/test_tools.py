@@ -110,6 +110,22 @@ def test_run_notebooks_saves_outputs_and_hashes_keeps_flagged_outputs(tmp_path):
         assert c['metadata']['petite_llm']['source_hash'] == nbtools.source_hash(c)
 
 
+def test_run_notebooks_only_flagged_keeps_the_other_outputs(tmp_path):
+    "--only-flagged runs every cell but saves outputs only where a flag it names is set."
+    cpu = [stream('measured on the CPU build\n')]
+    nb = write_nb(tmp_path / '08_gpu.ipynb', [
+        code('x = 21', cpu), code('#| slow\nprint(2 * x)'), code('#| gpu\nraise RuntimeError')])
+    subprocess.run(RUN_NOTEBOOKS + ['--flags', 'slow', '--only-flagged', str(nb)], check=True,
+                   cwd=ROOT, capture_output=True)
+    cells = json.loads(nb.read_text())['cells']
+    assert cells[0]['outputs'] == cpu and 'petite_llm' not in cells[0]['metadata']
+    assert ''.join(cells[1]['outputs'][0]['text']) == '42\n'   # it saw x: the first cell ran
+    assert cells[1]['metadata']['petite_llm']['source_hash'] == nbtools.source_hash(cells[1])
+    r = subprocess.run(RUN_NOTEBOOKS + ['--only-flagged', str(nb)], cwd=ROOT, capture_output=True,
+                       text=True)
+    assert r.returncode == 2 and 'give --flags too' in r.stderr
+
+
 def test_run_notebooks_does_not_save_a_failing_notebook(tmp_path):
     nb = write_nb(tmp_path / '07_fail.ipynb', [code('print("ok")'), code('1/0')])
     before = nb.read_text()

@@ -4,6 +4,8 @@ Each notebook runs in its own fresh Python process, in-process through execnb's 
 (as `nbdev_test` does), with the working directory set to nbs/. Cells flagged with a test flag
 (`#| slow`, `#| gpu`) or `#| eval: false` are skipped and KEEP their saved outputs, so a figure
 measured on a GPU survives a CPU build; `--flags slow` (or `--flags "slow gpu"`) runs them too.
+With `--only-flagged` every cell still runs, but only the flagged ones get new outputs: a GPU
+machine records its figures without replacing the CPU build's (`--flags gpu --only-flagged`).
 Every cell that runs gets its new outputs (or none) and
 `metadata.petite_llm.source_hash = sha256(source)`, which tools/check_outputs.py compares with
 the source to find outputs older than their cell.
@@ -19,10 +21,11 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from nbtools import HASH_KEY, NBS, ROOT, settings, skipped_by, source_hash, test_flags  # noqa: E402
+from nbtools import (HASH_KEY, NBS, ROOT, directives, settings, skipped_by,  # noqa: E402
+                     source_hash, test_flags)
 
 
-def run_one(path: Path, run_flags: set[str]) -> int:
+def run_one(path: Path, run_flags: set[str], only_flagged: bool = False) -> int:
     """Execute one notebook in this process and save it; 0 on success."""
     from execnb.nbio import nb2dict, read_nb, write_nb
     from execnb.shell import CaptureShell
@@ -53,10 +56,12 @@ def run_one(path: Path, run_flags: set[str]) -> int:
                              + '\n'.join(first) + '\n---\n'
                              + shell.prettytb(fname=path) + '\n')
             return 1
+        ran += 1
+        if only_flagged and not run_flags & set(directives(cell)):
+            continue                  # ran for the state it leaves; its saved outputs stay
         cell['outputs'] = [dict(o) for o in outs]
         cell['execution_count'] = None
         cell.setdefault('metadata', {})[HASH_KEY] = {'source_hash': source_hash(cell)}
-        ran += 1
         if time.time() - t0 > 30 and not skipped_by(cell):
             print(f'  {path.name}: cell {cell.idx_} took {time.time() - t0:.0f}s '
                   '(unflagged cells should take seconds; flag long ones `#| slow`)', flush=True)
@@ -84,6 +89,8 @@ def main(argv=None) -> int:
                     help='notebooks to run (default: all of nbs/)')
     ap.add_argument('--flags', default='',
                     help='test flags whose cells to run too, one string: "slow" or "slow gpu"')
+    ap.add_argument('--only-flagged', action='store_true',
+                    help='save new outputs only in the cells --flags names (the rest still run)')
     # child mode: run one notebook in this process
     ap.add_argument('--one', action='store_true', help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -92,8 +99,10 @@ def main(argv=None) -> int:
         ap.error(f'unknown flag(s) {sorted(flags - test_flags())}: '
                  f'settings.ini tst_flags has {sorted(test_flags())}'
                  ' (pass several as one string, --flags "slow gpu", before or after the notebooks)')
+    if args.only_flagged and not flags:
+        ap.error('--only-flagged saves the outputs of the cells --flags names: give --flags too')
     if args.one:
-        return run_one(args.notebooks[0], flags)
+        return run_one(args.notebooks[0], flags, args.only_flagged)
     nbs = args.notebooks or default_notebooks()
     missing = [str(p) for p in nbs if not Path(p).is_file()]
     if missing:
@@ -106,6 +115,8 @@ def main(argv=None) -> int:
         cmd = [sys.executable, __file__, '--one', str(Path(nb).resolve())]
         if flags:
             cmd += ['--flags', ' '.join(sorted(flags))]
+        if args.only_flagged:
+            cmd.append('--only-flagged')
         if subprocess.call(cmd, cwd=ROOT) != 0:
             failed.append(Path(nb).name)
     print(f'{len(nbs) - len(failed)} notebooks executed and saved, {len(failed)} failed'
