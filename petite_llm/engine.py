@@ -814,8 +814,6 @@ def _(q, k, v, k_cache, v_cache, scale):                    # the output's shape
 
 class OpaqueAttention:
     "The attn_metadata a compiled model sees: a backend whose forward is unified_attention."
-    name = 'opaque'
-
     @property
     def backend(self):
         return self
