@@ -477,6 +477,8 @@ class LLMEngine:
                  attention_backend: str | AttentionBackend = 'auto', enforce_eager: bool = False,
                  speculative_config: dict | None = None, enable_torch_compile: bool = False):
         cfg, self.model, self.tokenizer = model.config, model, tokenizer
+        # refused (off the CPU, no C++ compiler) before any memory is taken; compiles lazily
+        compiled = compile_model(model) if enable_torch_compile else None
         if generation_config is None:
             generation_config = getattr(tokenizer, 'generation_config', {})
         self.generation_config = dict(generation_config)
@@ -538,8 +540,8 @@ class LLMEngine:
         logger.info("attention backend: %s; decode steps %s", attention_backend.name,
                     f"replay CUDA graphs for batch sizes {self.runner.cuda_graphs.batch_sizes}"
                     if self.cuda_graphs else "run eagerly")
-        if enable_torch_compile:
-            self.runner.compiled = compile_model(model)
+        if compiled is not None:
+            self.runner.compiled = compiled
             logger.info("torch.compile: each new kind of step compiles on its first run "
                         "(about a minute for Qwen3-0.6B on two cores)")
         self.speculator = None
