@@ -12,7 +12,8 @@ import queue
 import threading
 from typing import AsyncIterator
 
-from .engine import LLMEngine, RequestOutput, merge_outputs
+from .engine import LLMEngine
+from .outputs import RequestOutput, merge_outputs
 from .sampling import SamplingParams
 
 # %% ../nbs/16_server.ipynb #fa084726

@@ -285,6 +285,16 @@ def serve_ratios(res: dict) -> dict:
             out[f"{k.removesuffix('_ms')}_p50_vs_transformers"] = p[k]['p50'] / t[k]['p50']
     return out
 
+def _check_workload(requests: int, max_concurrency: int | None, engines):
+    "ValueError naming a bad argument of run_serve_benchmark, before any server starts."
+    if requests < 1:
+        raise ValueError(f"requests must be at least 1, got {requests}")
+    if max_concurrency is not None and max_concurrency < 1:
+        raise ValueError(f"max_concurrency must be at least 1, got {max_concurrency}")
+    unknown = set(engines) - {'petite_llm', 'transformers'}
+    if unknown:
+        raise ValueError(f"unknown engines {sorted(unknown)}: use petite_llm and/or transformers")
+
 def run_serve_benchmark(model=None, base_url: str | None = None,
                         served_model_name: str | None = None, api_key: str | None = None,
                         requests: int = 64, rate: float = math.inf,
@@ -294,16 +304,11 @@ def run_serve_benchmark(model=None, base_url: str | None = None,
                         threads: int | None = None, transformers_args=(), log_dir=None) -> dict:
     "One workload against a running server (base_url), or against each engine's, started here."
     from petite_llm.tokenizer import Tokenizer
-    from petite_llm.engine import default_dtype
+    from petite_llm.config import resolve_device
+    from petite_llm.loading import default_dtype
     from petite_llm.weights import resolve_model_path, smollm2_gguf_path
-    if requests < 1:
-        raise ValueError(f"requests must be at least 1, got {requests}")
-    if max_concurrency is not None and max_concurrency < 1:
-        raise ValueError(f"max_concurrency must be at least 1, got {max_concurrency}")
+    _check_workload(requests, max_concurrency, engines)
     arrivals = poisson_arrivals(requests, rate, seed)   # a bad rate fails before a server starts
-    unknown = set(engines) - {'petite_llm', 'transformers'}
-    if unknown:
-        raise ValueError(f"unknown engines {sorted(unknown)}: use petite_llm and/or transformers")
     model = model or os.environ.get('PETITE_LLM_MODEL') or smollm2_gguf_path()
     path = resolve_model_path(model)
     tokenizer = Tokenizer.from_pretrained(path)
@@ -327,8 +332,7 @@ def run_serve_benchmark(model=None, base_url: str | None = None,
         name = served_model_name or _first_model(base_url, api_key)
         res['server'] = dict(base_url=base_url, model=name, **measure(base_url, name, 'petite_llm'))
         return res
-    import torch
-    device = device or ('cuda' if torch.cuda.is_available() else 'cpu')
+    device = str(resolve_device(device))
     # both servers get it explicitly: chapter 14's default rule, named
     dtype = dtype or str(default_dtype(device)).removeprefix('torch.')
     env = dict(os.environ, **({'OMP_NUM_THREADS': str(threads)} if threads else {}))

@@ -10,9 +10,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from fastcore.basics import patch
 
 # %% auto #0
-__all__ = ['DTYPES', 'SUPPORTED_MODEL_TYPES', 'parse_dtype', 'ModelConfig', 'read_gguf_metadata']
+__all__ = ['DTYPES', 'SUPPORTED_MODEL_TYPES', 'parse_dtype', 'ModelConfig', 'resolve_device', 'read_gguf_metadata']
 
 # %% ../nbs/00_config.ipynb #85d1b4f4
 # Every spelling of a dtype a user, a config.json or a command line may use, in one table
@@ -83,6 +84,19 @@ class ModelConfig:
 
 SUPPORTED_MODEL_TYPES = ('qwen3', 'qwen2', 'llama')
 
+# %% ../nbs/00_config.ipynb #dev0cd02
+def resolve_device(device: str | torch.device | None = None) -> torch.device:
+    "The device to run on: None → 'cuda' when torch sees a GPU, else 'cpu'; refuses a missing GPU."
+    if device is None:
+        return torch.device('cuda' if torch.cuda.is_available() else 'cpu')
+    if str(device).startswith('cuda') and not torch.cuda.is_available():
+        raise ValueError(f"device {str(device)!r} was asked for but torch sees no CUDA GPU: "
+                         "use device='cpu' (--device cpu on the command line)")
+    try:
+        return torch.device(device)
+    except RuntimeError as e:                 # torch's own message lists the device types
+        raise ValueError(f"device {str(device)!r} is not a device torch knows: {e}") from None
+
 # %% ../nbs/00_config.ipynb #2522959a
 _MOE_KEYS = ('num_experts', 'num_local_experts', 'n_routed_experts', 'num_experts_per_tok',
              'moe_intermediate_size')
@@ -128,8 +142,8 @@ def _check_unimplemented(config_dict: dict):
     if get('pretraining_tp', 1) not in (1, None):
         raise ValueError(f"pretraining_tp={get('pretraining_tp')} is not implemented (use 1)")
 
-@classmethod
-def _from_dict(cls, config_dict: dict) -> ModelConfig:
+@patch(cls_method=True)
+def from_dict(cls: ModelConfig, config_dict: dict) -> ModelConfig:
     "Build a ModelConfig from a config.json dict (hub or transformers-5 format)."
     get = config_dict.get
     model_type = get('model_type')
@@ -157,8 +171,6 @@ def _from_dict(cls, config_dict: dict) -> ModelConfig:
                bos_token_id=get('bos_token_id'),
                eos_token_id=get('eos_token_id'))
 
-ModelConfig.from_dict = _from_dict
-
 # %% ../nbs/00_config.ipynb #087d2d48
 def _open_gguf(path):
     "A `gguf.GGUFReader` on `path`, or ValueError naming the file when it is not a readable GGUF."
@@ -181,8 +193,9 @@ def read_gguf_metadata(path) -> dict[str, Any]:
     return _gguf_fields(_open_gguf(path))
 
 # %% ../nbs/00_config.ipynb #e0f7df53
-@classmethod
-def _from_gguf_metadata(cls, meta: dict, tie_word_embeddings: bool) -> ModelConfig:
+@patch(cls_method=True)
+def from_gguf_metadata(cls: ModelConfig, meta: dict,
+                       tie_word_embeddings: bool) -> ModelConfig:
     "Build a ModelConfig from a GGUF header; tying comes from the tensor names."
     arch = meta.get('general.architecture')
     if arch not in SUPPORTED_MODEL_TYPES:
@@ -218,11 +231,9 @@ def _from_gguf_metadata(cls, meta: dict, tie_word_embeddings: bool) -> ModelConf
                bos_token_id=meta.get('tokenizer.ggml.bos_token_id'),
                eos_token_id=[] if eos is None else [eos])
 
-ModelConfig.from_gguf_metadata = _from_gguf_metadata
-
 # %% ../nbs/00_config.ipynb #9ed55e19
-@classmethod
-def _from_pretrained(cls, path) -> ModelConfig:
+@patch(cls_method=True)
+def from_pretrained(cls: ModelConfig, path) -> ModelConfig:
     "A ModelConfig from a model folder, a config.json, or a .gguf file."
     path = Path(path)
     if path.suffix == '.gguf':
@@ -235,5 +246,3 @@ def _from_pretrained(cls, path) -> ModelConfig:
         raise ValueError(f"no config.json at {cfg_file}; "
                          "pass a model folder, its config.json, or a .gguf file")
     return cls.from_dict(json.loads(cfg_file.read_text()))
-
-ModelConfig.from_pretrained = _from_pretrained

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import jinja2
+from fastcore.basics import patch
 from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
@@ -21,8 +22,9 @@ from .config import read_gguf_metadata
 
 # %% auto #0
 __all__ = ['BYTE_TO_CHAR', 'QWEN2_SPLIT', 'PRE_TOKENIZERS', 'SPECIAL_TOKEN_NAMES', 'bytes_to_unicode', 'spell_bytes',
-           'load_tiktoken_ranks', 'merges_from_ranks', 'byte_level_bpe', 'tokenizer_from_tiktoken', 'Tokenizer',
-           'compile_chat_template', 'IncrementalDetokenizer', 'ThinkSplitter', 'think_and_answer', 'split_reasoning']
+           'load_tiktoken_ranks', 'merges_from_ranks', 'byte_level_bpe', 'tokenizer_from_tiktoken', 'as_list',
+           'Tokenizer', 'compile_chat_template', 'IncrementalDetokenizer', 'ThinkSplitter', 'think_and_answer',
+           'split_reasoning']
 
 # %% ../nbs/07_tokenizer.ipynb #f6cf0a13
 def bytes_to_unicode() -> dict[int, str]:
@@ -123,7 +125,7 @@ def _token_str(t) -> str | None:
     "A special token's string (tokenizer_config may store an AddedToken dict)."
     return t.get('content') if isinstance(t, dict) else t
 
-def _as_list(x) -> list:
+def as_list(x) -> list:
     "None -> [], a scalar -> [x], a list stays a list (eos_token_id comes in all three shapes)."
     return [] if x is None else list(x) if isinstance(x, (list, tuple)) else [x]
 
@@ -181,8 +183,8 @@ def _tokenizer_from_folder(cls, folder: Path) -> Tokenizer:
     if isinstance(template, list):                         # named templates
         template = {t['name']: t['template'] for t in template}
     gen_config = _read_json(folder/'generation_config.json')
-    eos = (_as_list(_read_json(folder/'config.json').get('eos_token_id'))
-           + _as_list(gen_config.get('eos_token_id')))
+    eos = (as_list(_read_json(folder/'config.json').get('eos_token_id'))
+           + as_list(gen_config.get('eos_token_id')))
     return cls(BackendTokenizer.from_file(str(folder/'tokenizer.json')),
                chat_template=template,
                special_tokens={k: _token_str(tok_config.get(k)) for k in SPECIAL_TOKEN_NAMES},
@@ -190,8 +192,8 @@ def _tokenizer_from_folder(cls, folder: Path) -> Tokenizer:
                add_bos_token=bool(tok_config.get('add_bos_token', False)),
                generation_config=gen_config)
 
-@classmethod
-def _from_gguf_metadata(cls, meta: dict, source: str = 'GGUF') -> Tokenizer:
+@patch(cls_method=True)
+def from_gguf_metadata(cls: Tokenizer, meta: dict, source: str = 'GGUF') -> Tokenizer:
     "Rebuild the tokenizer a GGUF header describes: tokens, merges, token types, special ids."
     kind, pre = meta.get('tokenizer.ggml.model'), meta.get('tokenizer.ggml.pre', 'default')
     if kind != 'gpt2':
@@ -220,8 +222,8 @@ def _from_gguf_metadata(cls, meta: dict, source: str = 'GGUF') -> Tokenizer:
                eos_token_ids=[meta.get('tokenizer.ggml.eot_token_id')],
                add_bos_token=bool(meta.get('tokenizer.ggml.add_bos_token', False)))
 
-@classmethod
-def _from_pretrained(cls, path_or_id) -> Tokenizer:
+@patch(cls_method=True)
+def from_pretrained(cls: Tokenizer, path_or_id) -> Tokenizer:
     "Load from a folder (tokenizer.json + tokenizer_config.json), a .gguf file, or a hub id."
     path = Path(path_or_id).expanduser()
     if not path.exists():
@@ -241,9 +243,6 @@ def _from_pretrained(cls, path_or_id) -> Tokenizer:
             raise ValueError(f"{path}: expected a .gguf file or a folder with tokenizer.json")
         return cls.from_gguf_metadata(read_gguf_metadata(path), source=str(path))
     return _tokenizer_from_folder(cls, path)
-
-Tokenizer.from_gguf_metadata = _from_gguf_metadata
-Tokenizer.from_pretrained = _from_pretrained
 
 # %% ../nbs/07_tokenizer.ipynb #656a0513
 def _raise_exception(message):
@@ -297,9 +296,10 @@ def _select_template(self, tools) -> str:
         return template['default']
     return template
 
-def _apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                         tools: list[dict] | None = None, enable_thinking: bool | None = None,
-                         tokenize: bool = False, **kwargs) -> str | list[int]:
+@patch
+def apply_chat_template(self: Tokenizer, messages: list[dict], add_generation_prompt: bool = True,
+                        tools: list[dict] | None = None, enable_thinking: bool | None = None,
+                        tokenize: bool = False, **kwargs) -> str | list[int]:
     "Render a conversation with the model's chat template, as transformers does; ids if `tokenize`."
     if not messages:
         raise ValueError("apply_chat_template needs at least one message")
@@ -314,7 +314,18 @@ def _apply_chat_template(self, messages: list[dict], add_generation_prompt: bool
                            **{**self.special_tokens, **kwargs})
     return self.encode(text) if tokenize else text
 
-Tokenizer.apply_chat_template = _apply_chat_template
+# %% ../nbs/07_tokenizer.ipynb #chatids1
+@patch
+def chat_ids(self: Tokenizer, messages: list[dict], tools: list[dict] | None = None,
+             enable_thinking: bool | None = None, **template_kwargs) -> list[int]:
+    "Ids of a conversation under the chat template, ready for the reply (ValueError if it fails)."
+    try:
+        text = self.apply_chat_template(list(messages), add_generation_prompt=True, tools=tools,
+                                        enable_thinking=enable_thinking, **template_kwargs)
+    # the template is a program from the model's files: any error of it is the template failing
+    except Exception as e:
+        raise ValueError(f"the chat template failed: {e}") from e
+    return self.encode(text)      # the template wrote the special tokens: encode adds none
 
 # %% ../nbs/07_tokenizer.ipynb #9f60255d
 class IncrementalDetokenizer:

@@ -1,9 +1,9 @@
 """Scheduler and block manager under random request streams (hypothesis), plus the named corners.
 
-The scheduler's FakeModel writes (token, position) into the slots the scheduler hands out and
-samples from the context it reads *back through the block table*, so a wrong prefix hit, an
-overwritten shared block or a block hashed before it was written shows up as a wrong token or a
-failed assertion.
+The FakeModel of doubles.py (chapter 12's) writes (token, position) into the slots the scheduler
+hands out and samples from the context it reads *back through the block table*, so a wrong prefix
+hit, an overwritten shared block or a block hashed before it was written shows up as a wrong token
+or a failed assertion.
 """
 import random
 from collections import Counter
@@ -13,7 +13,8 @@ from hypothesis import given, settings, strategies as st, HealthCheck
 
 from petite_llm.paging import BlockManager, cdiv, check_block_accounting
 from petite_llm.sampling import SamplingParams
-from petite_llm.scheduler import FakeModel, Scheduler, Sequence, SequenceStatus
+from petite_llm.scheduler import Scheduler, Sequence, SequenceStatus
+from doubles import FakeModel
 
 EOS = 0
 
@@ -421,7 +422,7 @@ def test_scheduler_drives_the_real_model():
                 md = AttentionMetadata.build([s.block_table for s in out.seqs],
                                              out.num_computed_tokens, out.num_new_tokens, bs,
                                              'cpu', backend)
-                hidden = model(torch.tensor(out.input_ids), md.positions, md)
+                hidden = model.model(torch.tensor(out.input_ids), md.positions, md)   # [T, H]
                 logits = model.compute_logits(hidden[out.logits_indices])
                 for s in sched.update(out, logits.argmax(-1).tolist()):
                     got[s.seq_id] = s.output_token_ids

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 from fastapi.testclient import TestClient
 
-from petite_llm.engine import CompletionOutput, RequestMetrics, RequestOutput
+from petite_llm.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from petite_llm.server import build_app
 
 CONV = [{"role": "user", "content": "What is the capital of France?"}]
@@ -15,10 +15,10 @@ CONV = [{"role": "user", "content": "What is the capital of France?"}]
 
 class ScriptedTokenizer:
     "Enough of a tokenizer for the chat route: any conversation is three tokens."
-    def apply_chat_template(self, messages, add_generation_prompt=True, tokenize=False, **kwargs):
-        return "a conversation"
-
-    def encode(self, text, add_special_tokens=False):
+    def chat_ids(self, messages, tools=None, enable_thinking=None, **template_kwargs):
+        if messages[-1]["role"] not in ("user", "assistant"):
+            # as Tokenizer.chat_ids reports a template's raise_exception
+            raise ValueError(f"the chat template failed: unknown role {messages[-1]['role']}")
         return [1, 2, 3]
 
 
@@ -76,3 +76,21 @@ def test_chat_returns_reasoning_apart_whole_and_streamed(deltas, reasoning, cont
     assert "".join(d.get("content") or "" for d in deltas_out) == content
     assert not any("<think>" in (d.get("content") or "") for d in deltas_out)
     assert [c["finish_reason"] for c in chunks].count("stop") == 1
+
+
+def test_a_failing_chat_template_is_a_400_on_messages():
+    r = _client(["x"]).post("/v1/chat/completions",
+                            json={"model": "m", "messages": [{"role": "robot", "content": "hi"}]})
+    error = r.json()["error"]
+    assert r.status_code == 400 and error["param"] == "messages"
+    assert error["message"] == "the chat template failed: unknown role robot"
+
+
+def test_chat_template_kwargs_cannot_replace_the_messages():
+    "A template kwarg named like one of chat_ids' own arguments is the client's error, a 400."
+    r = _client(["x"]).post("/v1/chat/completions",
+                            json={"model": "m", "messages": [{"role": "user", "content": "hi"}],
+                                  "chat_template_kwargs": {"messages": []}})
+    error = r.json()["error"]
+    assert r.status_code == 400 and error["param"] == "chat_template_kwargs"
+    assert "messages" in error["message"]
