@@ -5,569 +5,109 @@
 # %% ../nbs/14_engine.ipynb #191abf33
 from __future__ import annotations
 import itertools
-import json
 import logging
-import importlib.util
 import os
-import shutil
 import time
-from contextvars import ContextVar
-from dataclasses import dataclass, field, replace
-from functools import partial
-from pathlib import Path
-from typing import Callable, Iterator
+from typing import Iterator
 
-import torch
-from torch import nn
 from tqdm.auto import tqdm
 
-from .config import parse_dtype
-from .backends import AttentionBackend, AttentionMetadata, TorchAttentionBackend
-from .layers.linear import prepack_linears
-from .paging import (BlockManager, allocate_kv_cache, cdiv, kv_bytes_per_block,
-                               num_kv_blocks)
-from .sampling import Sampler, SamplingParams
-from .scheduler import Scheduler, SchedulerOutput, SchedulerStats, Sequence
-from .tokenizer import IncrementalDetokenizer, Tokenizer
+from .backends import AttentionBackend
+from .engine_config import EngineConfig, EngineSizes, size_engine
+from .loading import get_attention_backend, load_engine_model, read_generation_config
+from .outputs import (EngineStats, OutputProcessor, RequestOutput, SpecDecodingStats,
+                                merge_outputs)
+from .paging import BlockManager
+from .runner import ModelRunner, compile_model
+from .sampling import SamplingParams
+from .scheduler import Scheduler, SchedulerOutput, Sequence
+from .speculative import SpeculativeConfig, Speculator, load_draft_model
+from .tokenizer import Tokenizer, as_list
 
 logger = logging.getLogger(__name__)
 
 # %% auto #0
-__all__ = ['logger', 'ATTENTION_BACKENDS', 'CPU_KV_FRACTION', 'CPU_KV_CAP', 'OPAQUE_ATTENTION', 'ModelRunnerOutput',
-           'ModelRunner', 'native_bf16', 'default_dtype', 'get_attention_backend', 'CompletionOutput',
-           'SpecDecodingStats', 'RequestMetrics', 'RequestOutput', 'default_kv_cache_memory', 'OutputProcessor',
-           'EngineStats', 'LLMEngine', 'load_engine_model', 'cuda_graph_batch_sizes', 'capture_cuda_graph',
-           'CUDAGraphs', 'unified_attention', 'OpaqueAttention', 'compile_model', 'run_compiled', 'merge_outputs',
-           'LLM']
-
-# %% ../nbs/14_engine.ipynb #f0c44ed1
-@dataclass
-class ModelRunnerOutput:
-    "What one forward pass chose for the sequences that reached their last token (in `seqs` order)."
-    seqs: list[Sequence]                     # [S] the sequences that sampled this step
-    # [S] each one's new tokens: one, or 1 ... d + 1 after verifying d drafts (chapter 15)
-    token_ids: list[list[int]]
-    logprobs: list[list[dict[int, float] | None]]   # [S] per new token: top-k logprobs, if asked
-    logits: torch.Tensor                     # [R, V] raw logits of the rows that sample
-    num_draft_tokens: list[int]              # [S] the drafts each verified
-
-class ModelRunner:
-    "Owns the model and its KV pool: SchedulerOutput → tensors → forward pass → sampled tokens."
-    def __init__(self, model, num_blocks: int, block_size: int, eos_token_ids=(),
-                 backend: AttentionBackend | None = None):
-        self.model, self.block_size, self.eos_token_ids = model, block_size, list(eos_token_ids)
-        self.device = next(model.parameters()).device
-        # [num_blocks, block_size, nkv, hd] per layer, K and V
-        self.kv_caches = allocate_kv_cache(model, num_blocks, block_size)
-        # in allocate_kv_cache's order
-        self.attn_layers = [m for m in model.modules() if hasattr(m, 'kv_cache')]
-        self.backend = backend if backend is not None else TorchAttentionBackend()
-        self.sampler = Sampler()
-        self.cuda_graphs: CUDAGraphs | None = None    # captured by capture_cuda_graphs
-        self.compiled: Callable | None = None         # the model under torch.compile (CPU)
-        self.speculator = None                        # set by an engine that speculates
-
-    def prepare(self, scheduled: SchedulerOutput):
-        "The flat batch: input_ids [T], positions [T], AttentionMetadata, logits_indices [R]."
-        block_tables = [seq.block_table for seq in scheduled.seqs]
-        attn_metadata = self.backend.build_metadata(block_tables, scheduled.num_computed_tokens,
-                                                    scheduled.num_new_tokens, self.block_size,
-                                                    self.device)
-        input_ids = self._as_tensor(scheduled.input_ids)
-        logits_indices = self._as_tensor(scheduled.logits_indices)
-        return input_ids, attn_metadata.positions, attn_metadata, logits_indices
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                attn_metadata: AttentionMetadata) -> torch.Tensor:
-        "The model over the flat batch, on this runner's KV pool: hidden states [T, H]."
-        # our pool, even if another engine shares the model
-        for layer, kv_cache in zip(self.attn_layers, self.kv_caches):
-            layer.kv_cache = kv_cache
-        if self.compiled is not None:
-            return run_compiled(self.compiled, input_ids, positions, attn_metadata)
-        return self.model(input_ids, positions, attn_metadata)
-
-    @torch.inference_mode()
-    def capture_cuda_graphs(self, max_num_seqs: int, max_model_len: int,
-                            capture: Callable | None = None):
-        "Record the decode step for each batch-size bucket up to max_num_seqs (see CUDAGraphs)."
-        self.cuda_graphs = CUDAGraphs(self.backend, max_num_seqs,
-                                      cdiv(max_model_len, self.block_size), self.block_size,
-                                      self.device)
-        self.cuda_graphs.capture(self.forward, capture or capture_cuda_graph)
-
-    def _as_tensor(self, values: list[int]) -> torch.Tensor:
-        "A list of ints as a long tensor on the model's device."
-        return torch.tensor(values, dtype=torch.long).to(self.device, non_blocking=True)
-
-    @torch.inference_mode()
-    def run(self, scheduled: SchedulerOutput) -> ModelRunnerOutput:
-        "One forward pass over the scheduled tokens; logits and a token for each row that samples."
-        input_ids, positions, attn_metadata, logits_indices = self.prepare(scheduled)
-        if self.cuda_graphs is not None and self.cuda_graphs.can_replay(attn_metadata):
-            hidden = self.cuda_graphs.replay(input_ids, attn_metadata)     # [T, H]
-        else:
-            hidden = self.forward(input_ids, positions, attn_metadata)     # [T, H]
-        logits = self.model.compute_logits(hidden[logits_indices])        # [R, V]
-        seqs = scheduled.sampling_seqs
-        if any(scheduled.spec_token_ids):
-            # chapter 15: rejection sampling over the rows of the drafts
-            return self.speculator.sample(scheduled, logits, self.sampler)
-        params = [seq.sampling_params for seq in seqs]
-        # the argmax is all the sampler would do
-        if all(_plain_greedy(p, seq) for p, seq in zip(params, seqs)):
-            token_ids = logits.float().argmax(-1).tolist()
-            logprobs = [None] * len(seqs)
-        else:
-            sampled = self.sampler(logits, params,
-                                   [seq.prompt_token_ids for seq in seqs],
-                                   [seq.output_token_ids for seq in seqs],
-                                   [p.stop_token_set(self.eos_token_ids) for p in params])
-            token_ids, logprobs = sampled.token_ids, sampled.logprobs
-        return ModelRunnerOutput(seqs, [[t] for t in token_ids], [[lp] for lp in logprobs],
-                                 logits, [0] * len(seqs))
-
-def _plain_greedy(p: SamplingParams, seq: Sequence) -> bool:
-    "Greedy, nothing that could move the argmax (penalties, an unmet min_tokens), no logprobs."
-    return (p.greedy and p.repetition_penalty == 1.0 and p.presence_penalty == 0
-            and p.frequency_penalty == 0 and p.logprobs is None
-            and seq.num_output_tokens >= p.min_tokens)
-
-# %% ../nbs/14_engine.ipynb #3ca2999d
-def native_bf16(device) -> str | None:
-    "What computes bfloat16 natively on `device` (None if nothing): a GPU's, AMX or AVX512-BF16."
-    device = torch.device(device)
-    if device.type == 'cuda':
-        return 'the GPU' if torch.cuda.is_bf16_supported() else None
-    if device.type == 'cpu' and torch.cpu._is_amx_tile_supported():
-        return 'AMX'
-    if device.type == 'cpu' and torch.cpu._is_avx512_bf16_supported():
-        return 'AVX512-BF16'
-    return None
-
-def default_dtype(device) -> torch.dtype:
-    "The dtype when none is asked for: bf16 where it is native, else fp16 on a GPU, fp32 on a CPU."
-    if native_bf16(device):
-        return torch.bfloat16
-    return torch.float16 if torch.device(device).type == 'cuda' else torch.float32
-
-# %% ../nbs/14_engine.ipynb #94b298ab
-ATTENTION_BACKENDS = ('auto', 'torch', 'triton')
-
-def get_attention_backend(name: str = 'auto', device='cpu') -> AttentionBackend:
-    "The attention backend called name for a model on device ('auto': triton on CUDA, else torch)."
-    if name not in ATTENTION_BACKENDS:
-        choices = ', '.join(map(repr, ATTENTION_BACKENDS))
-        raise ValueError(f"attention_backend={name!r} is not one of {choices}")
-    on_cuda = torch.device(device).type == 'cuda'
-    has_triton = importlib.util.find_spec('triton') is not None
-    if name == 'auto':
-        name = 'triton' if on_cuda and has_triton else 'torch'
-    if name == 'torch':
-        return TorchAttentionBackend()
-    if not has_triton:
-        raise ValueError("attention_backend='triton' needs the triton package: "
-                         "pip install triton, or use attention_backend='torch'")
-    if not on_cuda and os.environ.get('TRITON_INTERPRET') != '1':
-        raise ValueError("attention_backend='triton' runs on a CUDA GPU; on a CPU use 'torch' "
-                         "(or set TRITON_INTERPRET=1 before triton is first imported, "
-                         "to run the kernels in Triton's slow interpreter)")
-    from petite_llm.kernels import TritonAttentionBackend
-    return TritonAttentionBackend()
-
-# %% ../nbs/14_engine.ipynb #4a528a27
-@dataclass
-class CompletionOutput:
-    "One completion of a request: its text and tokens so far, and why it stopped."
-    # which of the request's n completions
-    index: int
-    # detokenized so far (a matched stop string is left out)
-    text: str = ''
-    token_ids: list[int] = field(default_factory=list)
-    # 'stop' (eos, stop id, stop string), 'length' or 'abort'; None while running
-    finish_reason: str | None = None
-    # the stop string or stop token id (eos included) that ended it
-    stop_reason: str | int | None = None
-    # per token {id: logprob}: the top-k and the chosen one, when asked
-    logprobs: list[dict[int, float]] | None = None
-    # what the latest step added (streaming)
-    delta_text: str = ''
-    delta_token_ids: list[int] = field(default_factory=list)
-
-    @property
-    def finished(self) -> bool:
-        "True once a finish_reason is set."
-        return self.finish_reason is not None
-
-@dataclass(kw_only=True)
-class SpecDecodingStats:
-    "Speculative decoding's counters (chapter 15): decodes that verified drafts, drafts, accepted."
-    num_drafts: int = 0                 # decodes that verified at least one draft
-    num_draft_tokens: int = 0           # drafts verified
-    num_accepted_tokens: int = 0        # drafts accepted
-
-    def record(self, num_draft_tokens: int, num_accepted_tokens: int):
-        "Count one decode that verified num_draft_tokens drafts and accepted num_accepted_tokens."
-        self.num_drafts += 1
-        self.num_draft_tokens += num_draft_tokens
-        self.num_accepted_tokens += num_accepted_tokens
-
-    @property
-    def acceptance_rate(self) -> float | None:
-        "Drafts accepted / drafts verified (None before any)."
-        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else None
-
-    @property
-    def mean_accepted_tokens(self) -> float | None:
-        "Drafts accepted per verifying decode, which emits one token more (None before any)."
-        return self.num_accepted_tokens / self.num_drafts if self.num_drafts else None
-
-@dataclass
-class RequestMetrics(SpecDecodingStats):
-    "Wall-clock times of one request (time.perf_counter seconds), and its drafts' counters."
-    arrival_time: float
-    first_token_time: float | None = None
-    last_token_time: float | None = None
-    finished_time: float | None = None
-    num_output_tokens: int = 0
-
-    @property
-    def time_to_first_token(self) -> float | None:
-        "Seconds from add_request to the first generated token."
-        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
-
-    @property
-    def time_per_output_token(self) -> float | None:
-        "Mean seconds between generated tokens after the first."
-        if self.num_output_tokens < 2:
-            return None
-        return (self.last_token_time - self.first_token_time) / (self.num_output_tokens - 1)
-
-@dataclass
-class RequestOutput:
-    "One request after a step: its prompt, its n completions, whether all are done, its timings."
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    outputs: list[CompletionOutput]
-    finished: bool
-    metrics: RequestMetrics
-
-    # the first completion's fields, for the common n = 1 case
-    text = property(lambda self: self.outputs[0].text,
-                    doc="The first completion's text.")
-    token_ids = property(lambda self: self.outputs[0].token_ids,
-                         doc="The first completion's token ids.")
-    finish_reason = property(lambda self: self.outputs[0].finish_reason,
-                             doc="The first completion's finish reason.")
-
-# %% ../nbs/14_engine.ipynb #d78558e9
-def _mem_available() -> int:
-    "Bytes of memory available now (Linux MemAvailable; free physical pages elsewhere)."
-    try:
-        with open('/proc/meminfo') as f:
-            for line in f:
-                if line.startswith('MemAvailable:'):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf('SC_AVPHYS_PAGES') * os.sysconf('SC_PAGE_SIZE')
-
-CPU_KV_FRACTION, CPU_KV_CAP = 0.25, 4 * 2**30
-
-@torch.inference_mode()
-def default_kv_cache_memory(model, gpu_memory_utilization: float = 0.9,
-                            profile_tokens: int = 2048) -> int:
-    "KV pool bytes: CUDA, what gpu_memory_utilization leaves; CPU, 25% of available RAM, ≤ 4 GiB."
-    device = next(model.parameters()).device
-    if device.type != 'cuda':
-        return int(min(CPU_KV_FRACTION * _mem_available(), CPU_KV_CAP))
-    torch.cuda.synchronize(device)
-    torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats(device)
-    num_tokens = min(profile_tokens, model.config.max_position_embeddings)
-    hidden = model.model(torch.zeros(num_tokens, dtype=torch.long, device=device),
-                         torch.arange(num_tokens, device=device))     # [num_tokens, H]
-    # about what the sampler holds for 256 rows
-    model.compute_logits(hidden[-256:]).float().softmax(-1)
-    torch.cuda.synchronize(device)
-    free, total = torch.cuda.mem_get_info(device)
-    activations = torch.cuda.max_memory_allocated(device) - torch.cuda.memory_allocated(device)
-    return int(total * gpu_memory_utilization - (total - free) - activations)
-
-# %% ../nbs/14_engine.ipynb #1287bf24
-@dataclass
-class _Request:
-    "The engine's bookkeeping for one request."
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    seq_ids: list[int]
-    detoks: list[IncrementalDetokenizer | None]
-    completions: list[CompletionOutput]
-    metrics: RequestMetrics
-
-    def output(self) -> RequestOutput:
-        "A snapshot for the caller (later steps do not change it); resets the deltas."
-        snapshots = [_snapshot(completion) for completion in self.completions]
-        for completion in self.completions:
-            completion.delta_text, completion.delta_token_ids = '', []
-        finished = all(completion.finished for completion in self.completions)
-        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, snapshots,
-                             finished, replace(self.metrics))
-
-def _snapshot(completion: CompletionOutput) -> CompletionOutput:
-    "A copy of a completion whose lists later steps will not grow."
-    logprobs = None if completion.logprobs is None else list(completion.logprobs)
-    return replace(completion, token_ids=list(completion.token_ids), logprobs=logprobs,
-                   delta_token_ids=list(completion.delta_token_ids))
-
-def _as_list(x) -> list:
-    "None → [], a scalar → [x], a list or tuple → a list."
-    if x is None:
-        return []
-    return list(x) if isinstance(x, (list, tuple)) else [x]
-
-def _read_generation_config(path) -> dict:
-    "generation_config.json of a checkpoint folder, or {}."
-    if path is None:
-        return {}
-    file = Path(path) / 'generation_config.json'
-    return json.loads(file.read_text()) if file.is_file() else {}
-
-# %% ../nbs/14_engine.ipynb #0a101247
-class OutputProcessor:
-    "The requests' side of the engine: completions, detokenizers and timings, turned into outputs."
-    def __init__(self, tokenizer: Tokenizer | None, scheduler: Scheduler):
-        self.tokenizer, self.scheduler = tokenizer, scheduler
-        self.requests: dict[str, _Request] = {}
-        # seq id -> (its request, completion index)
-        self._seq_owner: dict[int, tuple[_Request, int]] = {}
-        self._aborted: list[RequestOutput] = []         # reported by the next process()
-
-    def add_request(self, request_id: str, prompt: str | list[int], prompt_token_ids: list[int],
-                    seqs: list[Sequence], params: SamplingParams):
-        "Start the bookkeeping of a request whose sequences (one per sample) are scheduled."
-        detoks = [self._new_detokenizer(params) for _ in seqs]
-        completions = [CompletionOutput(i, logprobs=[] if params.logprobs is not None else None)
-                       for i in range(len(seqs))]
-        req = _Request(request_id, prompt if isinstance(prompt, str) else None, prompt_token_ids,
-                       [seq.seq_id for seq in seqs], detoks, completions,
-                       RequestMetrics(time.perf_counter()))
-        self.requests[request_id] = req
-        for index, seq in enumerate(seqs):
-            self._seq_owner[seq.seq_id] = (req, index)
-
-    def _new_detokenizer(self, params: SamplingParams) -> IncrementalDetokenizer | None:
-        "A fresh IncrementalDetokenizer for one sequence (None without a tokenizer)."
-        if self.tokenizer is None:
-            return None
-        return IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens, params.stop)
-
-    def abort_request(self, request_id: str, report: bool = True) -> list[int] | None:
-        "Mark a request aborted (reported next, if `report`); its sequence ids (None if unknown)."
-        req = self.requests.pop(request_id, None)
-        if req is None:
-            return None
-        for seq_id, completion in zip(req.seq_ids, req.completions):
-            self._seq_owner.pop(seq_id, None)
-            if not completion.finished:
-                completion.finish_reason = 'abort'
-        req.metrics.finished_time = time.perf_counter()
-        if report:
-            self._aborted.append(req.output())
-        return req.seq_ids
-
-    def has_unfinished_requests(self) -> bool:
-        "True while a request is queued or running, or an abort is still to be reported."
-        return bool(self.requests) or bool(self._aborted)
-
-    def process(self, result: ModelRunnerOutput | None = None) -> list[RequestOutput]:
-        "Add one step's new tokens to their completions; one output per request touched."
-        outputs, self._aborted = self._aborted, []
-        now = time.perf_counter()
-        touched = {}    # request id -> request, for every request that got a token this step
-        rows = [] if result is None else zip(result.seqs, result.token_ids, result.logprobs,
-                                             result.num_draft_tokens)
-        for seq, token_ids, logprobs, num_drafts in rows:
-            req, index = self._seq_owner[seq.seq_id]
-            if num_drafts:
-                req.metrics.record(num_drafts, len(token_ids) - 1)
-            # update() appended the tokens up to a stop; those after it are not emitted
-            num_new = seq.num_output_tokens - len(req.completions[index].token_ids)
-            for i in range(num_new):
-                if self._add_token(seq, req, index, token_ids[i], logprobs[i], now,
-                                   last=i == num_new - 1):
-                    break                         # a stop string ended it
-            touched[req.request_id] = req
-        for req in touched.values():
-            out = req.output()
-            if out.finished:
-                req.metrics.finished_time = out.metrics.finished_time = now
-                del self.requests[req.request_id]
-            outputs.append(out)
-        return outputs
-
-    def _add_token(self, seq: Sequence, req: _Request, index: int, token_id: int,
-                   token_logprobs: dict[int, float] | None, now: float, last: bool) -> bool:
-        "One new token into completion `index` of `req`: ids, logprobs, timings, text; ended it?"
-        # last: the step's last token for seq, the one a stop in update() ends on
-        completion, detok, metrics = req.completions[index], req.detoks[index], req.metrics
-        completion.token_ids.append(token_id)
-        completion.delta_token_ids.append(token_id)
-        if completion.logprobs is not None:
-            completion.logprobs.append(token_logprobs)
-        if metrics.first_token_time is None:
-            metrics.first_token_time = now
-        metrics.last_token_time = now
-        metrics.num_output_tokens += 1
-        ends_here = last and seq.is_finished
-        if detok is not None:
-            if ends_here and seq.stop_reason == token_id:
-                new_text = ''                    # a stop token is not text
-            else:
-                new_text = detok.add(token_id)
-            if detok.stopped is not None:
-                # a stop string ends the sequence here, before any later token of this step
-                if seq.is_finished:
-                    seq.finish_reason, seq.stop_reason = 'stop', detok.stopped
-                else:
-                    self.scheduler.finish(seq.seq_id, 'stop', detok.stopped)   # frees its blocks
-                ends_here = True
-            if ends_here:
-                new_text += detok.finish()
-            completion.text += new_text
-            completion.delta_text += new_text
-        if ends_here:
-            completion.finish_reason, completion.stop_reason = seq.finish_reason, seq.stop_reason
-            del self._seq_owner[seq.seq_id]
-        return ends_here
-
-# %% ../nbs/14_engine.ipynb #cebd0769
-@dataclass
-class EngineStats(SchedulerStats, SpecDecodingStats):
-    "The scheduler's counters (chapter 12) and the engine's own: steps, tokens, busy time, drafts."
-    num_steps: int
-    num_prompt_tokens: int          # prompt (and recomputed) tokens run through the model
-    num_generated_tokens: int
-    busy_seconds: float             # time spent inside step()
-
-    @property
-    def generation_tokens_per_s(self) -> float:
-        "Generated tokens per busy second."
-        if not self.busy_seconds:
-            return 0.0
-        return self.num_generated_tokens / self.busy_seconds
-
-    @property
-    def tokens_per_s(self) -> float:
-        "All tokens through the model (prompt + generated) per busy second."
-        if not self.busy_seconds:
-            return 0.0
-        return (self.num_prompt_tokens + self.num_generated_tokens) / self.busy_seconds
+__all__ = ['logger', 'LLMEngine', 'LLM']
 
 # %% ../nbs/14_engine.ipynb #71ba17f3
 class LLMEngine:
     "Requests in, outputs out, one step at a time: schedule → run the model → sample → detokenize."
-    def __init__(self, model, tokenizer: Tokenizer | None = None, block_size: int = 16,
-                 kv_cache_memory: int | None = None, gpu_memory_utilization: float = 0.9,
-                 max_model_len: int | None = None, max_num_batched_tokens: int = 2048,
-                 max_num_seqs: int | None = None, enable_prefix_caching: bool = True,
-                 generation_config: dict | None = None,
-                 attention_backend: str | AttentionBackend = 'auto', enforce_eager: bool = False,
-                 speculative_config: dict | None = None, enable_torch_compile: bool = False):
+    def __init__(self, model, tokenizer: Tokenizer | None = None,
+                 config: EngineConfig | None = None, generation_config: dict | None = None,
+                 **options):
+        if loading := sorted({'dtype', 'device', 'quantization'} & set(options)):
+            raise ValueError(f"{', '.join(loading)} apply when the engine loads a model: use "
+                             "LLMEngine.from_pretrained (or LLM), or prepare the model yourself")
+        self.config = config = (config or EngineConfig()).updated(**options)
         cfg, self.model, self.tokenizer = model.config, model, tokenizer
         # refused (off the CPU, no C++ compiler) before any memory is taken; compiles lazily
-        compiled = compile_model(model) if enable_torch_compile else None
+        compiled = compile_model(model) if config.enable_torch_compile else None
         if generation_config is None:
             generation_config = getattr(tokenizer, 'generation_config', {})
         self.generation_config = dict(generation_config)
         self.eos_token_ids = list(dict.fromkeys([
             *cfg.eos_token_id,
             *(tokenizer.eos_token_ids if tokenizer else []),
-            *_as_list(self.generation_config.get('eos_token_id'))]))
-        dtype = next(model.parameters()).dtype
-        draft = None
-        if speculative_config is not None:
-            # chapter 15 builds on this module, so it is imported only when asked for
-            from petite_llm.speculative import SpeculativeConfig, load_draft_model
-            speculative_config = SpeculativeConfig.from_dict(speculative_config)
-            draft = load_draft_model(speculative_config, model)     # None for n-gram
-        # every model with a KV cache: a block id names a block in each
-        kv_configs = [cfg] + ([draft.config] if draft is not None else [])
-        if max_num_seqs is None:
-            max_num_seqs = min(256, max_num_batched_tokens)
-        source = 'given'
-        if kv_cache_memory is None:
-            # no more than max_num_seqs full-length sequences could use
-            longest = max_model_len or cfg.max_position_embeddings
-            most = max_num_seqs * longest * kv_bytes_per_block(kv_configs, 1, dtype)
-            kv_cache_memory = min(default_kv_cache_memory(model, gpu_memory_utilization), most)
-            if next(model.parameters()).is_cuda:
-                source = f'gpu_memory_utilization={gpu_memory_utilization}'
-            else:
-                source = (f'{CPU_KV_FRACTION:.0%} of available memory, '
-                          f'at most {CPU_KV_CAP / 2**30:.0f} GiB')
-        num_blocks = num_kv_blocks(kv_configs, block_size, kv_cache_memory, dtype)
-        if max_model_len is None:
-            max_model_len = min(cfg.max_position_embeddings, num_blocks * block_size)
-            if max_model_len < cfg.max_position_embeddings:
-                logger.warning("max_model_len lowered from %d to %d tokens: the KV pool holds no "
-                               "more; give the KV cache more memory (kv_cache_memory) for longer "
-                               "contexts", cfg.max_position_embeddings, max_model_len)
-        elif max_model_len > cfg.max_position_embeddings:
-            raise ValueError(f"max_model_len={max_model_len} exceeds the model's "
-                             f"max_position_embeddings={cfg.max_position_embeddings}; "
-                             "lower max_model_len")
-        self.kv_cache_memory = num_blocks * kv_bytes_per_block(kv_configs, block_size, dtype)
-        self.num_kv_blocks, self.block_size = num_blocks, block_size
-        self.max_model_len = max_model_len
-        self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching)
-        self.scheduler = Scheduler(self.block_manager, max_num_batched_tokens, max_num_seqs,
-                                   max_model_len, self.eos_token_ids)
-        if not isinstance(attention_backend, AttentionBackend):
-            attention_backend = get_attention_backend(attention_backend,
-                                                      next(model.parameters()).device)
-        self.runner = ModelRunner(model, num_blocks, block_size, self.eos_token_ids,
-                                  attention_backend)
-        logger.info("KV cache: %d blocks of %d tokens = %d tokens, %.1f MiB (%s); max_model_len=%d",
-                    num_blocks, block_size, num_blocks * block_size, self.kv_cache_memory / 2**20,
-                    source, max_model_len)
-        self.cuda_graphs = (not enforce_eager and self.runner.device.type == 'cuda'
-                            and attention_backend.supports_cuda_graphs)
-        if self.cuda_graphs:
-            self.runner.capture_cuda_graphs(max_num_seqs, max_model_len)
-        logger.info("attention backend: %s; decode steps %s", attention_backend.name,
-                    f"replay CUDA graphs for batch sizes {self.runner.cuda_graphs.batch_sizes}"
-                    if self.cuda_graphs else "run eagerly")
-        if compiled is not None:
-            self.runner.compiled = compiled
-            logger.info("torch.compile: each new kind of step compiles on its first run "
-                        "(about a minute for Qwen3-0.6B on two cores)")
+            *as_list(self.generation_config.get('eos_token_id'))]))
+        spec_config = draft = None
+        if config.speculative_config is not None:
+            spec_config = SpeculativeConfig.from_dict(config.speculative_config)
+            draft = load_draft_model(spec_config, model)     # None for n-gram
+        sizes = size_engine(config, [model] + ([draft] if draft is not None else []))
+        self.num_kv_blocks, self.block_size = sizes.num_blocks, config.block_size
+        self.kv_cache_memory, self.max_model_len = sizes.kv_cache_memory, sizes.max_model_len
+        self.block_manager = BlockManager(sizes.num_blocks, config.block_size,
+                                          config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_batched_tokens,
+                                   config.num_seqs, sizes.max_model_len, self.eos_token_ids)
         self.speculator = None
-        if speculative_config is not None:
-            from petite_llm.speculative import Speculator
-            # the draft gets a backend of its own kind: a backend may keep per-model buffers
-            self.speculator = Speculator(speculative_config, draft, num_blocks, block_size,
-                                         type(attention_backend)(), self.eos_token_ids,
-                                         max_model_len)
-            self.runner.speculator = self.speculator
+        if spec_config is not None:
+            # the draft gets a backend of its own: a backend keeps per-model buffers
+            self.speculator = Speculator(spec_config, draft, sizes.num_blocks, config.block_size,
+                                         self._attention_backend(), self.eos_token_ids,
+                                         sizes.max_model_len)
+        self.runner = ModelRunner(model, sizes.num_blocks, config.block_size, self.eos_token_ids,
+                                  self._attention_backend(), compiled, self.speculator)
+        self._log_start(sizes)
         self.output_processor = OutputProcessor(tokenizer, self.scheduler)
         self._request_ids, self._seq_ids = itertools.count(), itertools.count()
         self._steps = self._prompt_tokens = self._generated_tokens = 0
         self._busy = 0.0
         self.spec_stats = SpecDecodingStats()      # over every request
 
+    def _attention_backend(self) -> AttentionBackend:
+        "A new backend of the configured kind for this engine's device."
+        return get_attention_backend(self.config.attention_backend,
+                                     next(self.model.parameters()).device)
+
+    def _log_start(self, sizes: EngineSizes):
+        "Record the CUDA graphs where they apply, and log what the engine chose."
+        config, runner = self.config, self.runner
+        logger.info("KV cache: %d blocks of %d tokens = %d tokens, %.1f MiB (%s); max_model_len=%d",
+                    sizes.num_blocks, config.block_size, sizes.num_blocks * config.block_size,
+                    sizes.kv_cache_memory / 2**20, sizes.source, sizes.max_model_len)
+        if (not config.enforce_eager and runner.device.type == 'cuda'
+                and runner.backend.supports_cuda_graphs):
+            runner.capture_cuda_graphs(config.num_seqs, sizes.max_model_len)
+        graphs = runner.cuda_graphs
+        logger.info("attention backend: %s; decode steps %s", runner.backend.name,
+                    f"replay CUDA graphs for batch sizes {graphs.batch_sizes}"
+                    if graphs is not None else "run eagerly")
+        if runner.compiled is not None:
+            logger.info("torch.compile: each new kind of step compiles on its first run "
+                        "(about a minute for Qwen3-0.6B on two cores)")
+
     @property
-    def requests(self) -> dict[str, _Request]:
+    def requests(self) -> dict:
         "The requests queued or running, by id."
         return self.output_processor.requests
 
     @classmethod
-    def from_pretrained(cls, model, dtype=None, device=None, tokenizer=None,
-                        quantization: str | None = None, **kwargs) -> LLMEngine:
+    def from_pretrained(cls, model, tokenizer=None, config: EngineConfig | None = None,
+                        **options) -> LLMEngine:
         "Load a model (folder, .gguf, hub id or a built model) and its tokenizer; build the engine."
-        net, path = load_engine_model(model, dtype, device, quantization)
+        config = (config or EngineConfig()).updated(**options)
+        net, path = load_engine_model(model, config.dtype, config.device, config.quantization)
         if isinstance(tokenizer, (str, os.PathLike)) or (tokenizer is None and path is not None):
             try:
                 tokenizer = Tokenizer.from_pretrained(tokenizer or path)
@@ -578,8 +118,8 @@ class LLMEngine:
         if tokenizer is not None and tokenizer.generation_config:
             generation_config = tokenizer.generation_config
         else:
-            generation_config = _read_generation_config(path)
-        return cls(net.eval(), tokenizer, generation_config=generation_config, **kwargs)
+            generation_config = read_generation_config(path)
+        return cls(net.eval(), tokenizer, config, generation_config)
 
     def default_sampling_params(self) -> SamplingParams:
         "The model's own defaults (its generation_config.json) as SamplingParams."
@@ -684,174 +224,6 @@ def _num_prompt_tokens(scheduled: SchedulerOutput) -> int:
     return sum(num_new for seq, num_new in zip(scheduled.seqs, scheduled.num_new_tokens)
                if not seq.is_decoding)
 
-def load_engine_model(model, dtype=None, device=None,
-                      quantization: str | None = None) -> tuple[nn.Module, Path | None]:
-    "A model for the engine and the path it came from: a built model moved, or a path loaded."
-    if quantization is not None:
-        # chapter 18 builds on this module, so it is imported only when asked for
-        from petite_llm.quantization import QUANTIZATION_METHODS, load_q8_0, quantize_model
-        if quantization not in QUANTIZATION_METHODS:
-            raise ValueError(f"unknown quantization {quantization!r}: choose one of "
-                             f"{', '.join(map(repr, QUANTIZATION_METHODS))} (or None)")
-    if isinstance(model, torch.nn.Module):
-        if quantization is not None:
-            raise ValueError("quantization applies to a model the engine loads: pass its path, "
-                             "or quantize the model yourself (petite_llm.quantization)")
-        return model.to(device=device, dtype=parse_dtype(dtype)), None
-    from petite_llm.weights import checkpoint_path, load_model, resolve_model_path
-    path = resolve_model_path(model)
-    if device is None:
-        device = 'cuda' if torch.cuda.is_available() else 'cpu'
-    dtype = parse_dtype(dtype)
-    net = load_model(path, dtype=dtype, device=torch.device(device))
-    if dtype is None and next(net.parameters()).dtype == torch.float32:
-        # a float32 checkpoint (or a dequantized GGUF) runs in the device's default dtype
-        dtype, native = default_dtype(device), native_bf16(device)
-        net = net.to(dtype)
-        logger.info("dtype %s for a float32 checkpoint: %s", str(dtype).removeprefix('torch.'),
-                    f"{native} computes bfloat16 natively" if native else
-                    f"no native bfloat16 on {torch.device(device).type}")
-    if quantization is not None:
-        num = quantize_model(net, quantization)
-        # a GGUF's Q8_0 matrices come from their blocks, not from the float copy just loaded
-        file = checkpoint_path(path)                # a folder holding one .gguf: that file
-        from_gguf = load_q8_0(net, file) if file.suffix == '.gguf' else 0
-        logger.info("%d linear layers quantized to %s (%d of them read from Q8_0 blocks)",
-                    num, quantization, from_gguf)
-    if num_packed := prepack_linears(net):
-        logger.info("packed %d linear layers for oneDNN (bfloat16 on CPU)", num_packed)
-    return net, path
-
-# %% ../nbs/14_engine.ipynb #961fdedd
-def cuda_graph_batch_sizes(max_num_seqs: int) -> list[int]:
-    "Batch sizes to record: the powers of two below max_num_seqs, then max_num_seqs itself."
-    sizes = [1]
-    while sizes[-1] * 2 < max_num_seqs:
-        sizes.append(sizes[-1] * 2)
-    return sorted({*sizes, max_num_seqs})
-
-def capture_cuda_graph(fn: Callable[[], torch.Tensor], pool=None):
-    "Warm fn up, then record it as a CUDA graph: (replay, output), replay refilling output."
-    fn()                              # compiles kernels and allocates workspaces outside the graph
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
-        output = fn()
-    return graph.replay, output
-
-class CUDAGraphs:
-    "The decode step recorded once per batch-size bucket, replayed on static, padded inputs."
-    def __init__(self, backend: AttentionBackend, max_num_seqs: int, max_blocks: int,
-                 block_size: int, device: torch.device):
-        self.backend, self.max_blocks, self.block_size = backend, max_blocks, block_size
-        self.batch_sizes = cuda_graph_batch_sizes(max_num_seqs)
-        n = self.batch_sizes[-1]
-        # every replay reads these addresses; rows past the step's batch are padding
-        self.input_ids = torch.zeros(n, dtype=torch.long, device=device)            # [n]
-        self.positions = torch.zeros(n, dtype=torch.long, device=device)            # [n]
-        self.slot_mapping = torch.full((n,), -1, dtype=torch.long, device=device)   # [n]
-        self.context_lens = torch.zeros(n, dtype=torch.int32, device=device)        # [n]
-        self.block_tables = torch.zeros(n, max_blocks, dtype=torch.int32, device=device)
-        self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
-        self.graphs: dict[int, tuple[Callable, torch.Tensor]] = {}   # size -> (replay, hidden)
-
-    def metadata(self, batch_size: int) -> AttentionMetadata:
-        "AttentionMetadata over the first batch_size rows of the static buffers: all decodes."
-        bound = self.max_blocks * self.block_size
-        return AttentionMetadata(
-            slot_mapping=self.slot_mapping[:batch_size],
-            block_tables=self.block_tables[:batch_size],
-            context_lens=self.context_lens[:batch_size],
-            query_start_loc=self.query_start_loc[:batch_size + 1],
-            positions=self.positions[:batch_size],
-            num_decodes=batch_size, max_query_len=1, max_context_len=bound,
-            query_start_loc_cpu=list(range(batch_size + 1)),
-            context_lens_cpu=[bound] * batch_size, backend=self.backend)
-
-    def capture(self, forward: Callable, capture: Callable = capture_cuda_graph):
-        "Record forward(input_ids, positions, metadata) for each bucket, the largest first."
-        # the largest first, so that the smaller graphs reuse its memory pool
-        for batch_size in reversed(self.batch_sizes):
-            step = partial(forward, self.input_ids[:batch_size], self.positions[:batch_size],
-                           self.metadata(batch_size))
-            self.graphs[batch_size] = capture(step)
-
-    def can_replay(self, md: AttentionMetadata) -> bool:
-        "Whether a recorded graph covers this step: decodes only, few enough, a narrow table."
-        num_seqs = len(md.context_lens_cpu)
-        return (md.num_decodes == num_seqs and 0 < num_seqs <= self.batch_sizes[-1]
-                and md.block_tables.shape[1] <= self.max_blocks)
-
-    def replay(self, input_ids: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
-        "Copy the step into the static buffers, pad to its bucket, replay: hidden [B, H]."
-        num_seqs, width = len(md.context_lens_cpu), md.block_tables.shape[1]
-        batch_size = next(size for size in self.batch_sizes if size >= num_seqs)
-        self.input_ids[:num_seqs].copy_(input_ids)
-        self.positions[:num_seqs].copy_(md.positions)
-        self.slot_mapping[:num_seqs].copy_(md.slot_mapping)
-        self.slot_mapping[num_seqs:batch_size].fill_(-1)        # padding rows store nothing
-        self.context_lens[:num_seqs].copy_(md.context_lens)
-        self.context_lens[num_seqs:batch_size].zero_()          # and read nothing
-        self.block_tables[:num_seqs, :width].copy_(md.block_tables)
-        # a narrower table than an earlier step's: no stale block ids left to the right
-        self.block_tables[:num_seqs, width:].zero_()
-        replay, hidden = self.graphs[batch_size]
-        replay()
-        return hidden[:num_seqs]
-
-# %% ../nbs/14_engine.ipynb #bdcd5818
-# the metadata of the step a compiled model is running, for its attention op to read
-_step_metadata: ContextVar[AttentionMetadata] = ContextVar('petite_llm_step_metadata')
-
-@torch.library.custom_op('petite_llm::unified_attention', mutates_args=('k_cache', 'v_cache'))
-def unified_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                      v_cache: torch.Tensor, scale: float) -> torch.Tensor:
-    "The step's backend.forward as one op: store k/v [T, nkv, hd], attend -> [T, nh, hd]."
-    md = _step_metadata.get()
-    return md.backend.forward(q, k, v, (k_cache, v_cache), md, scale)
-
-@unified_attention.register_fake
-def _(q, k, v, k_cache, v_cache, scale):                    # the output's shape, for tracing
-    return torch.empty_like(q)
-
-class OpaqueAttention:
-    "The attn_metadata a compiled model sees: a backend whose forward is unified_attention."
-    @property
-    def backend(self):
-        return self
-
-    def forward(self, q, k, v, kv_cache, md, scale) -> torch.Tensor:
-        "Attention as one call the compiler does not look into, whatever the step is."
-        return torch.ops.petite_llm.unified_attention(q, k, v, *kv_cache, scale)
-
-OPAQUE_ATTENTION = OpaqueAttention()
-
-def _cxx_compiler() -> str | None:
-    "The C++ compiler inductor would use ($CXX, else g++, c++ or clang++), if there is one."
-    names = [os.environ['CXX']] if os.environ.get('CXX') else ['g++', 'c++', 'clang++']
-    return next((path for name in names if (path := shutil.which(name))), None)
-
-def compile_model(model: nn.Module) -> Callable:
-    "model under torch.compile for the CPU: the small ops fused, linears and attention opaque."
-    device = next(model.parameters()).device
-    if device.type != 'cpu':
-        raise ValueError(f"enable_torch_compile is for the CPU, and the model is on {device}: "
-                         "on a GPU, CUDA graphs (enforce_eager=False) remove the launch overhead")
-    if _cxx_compiler() is None:
-        raise RuntimeError("enable_torch_compile needs a C++ compiler for inductor and found none: "
-                           "install g++ (apt install g++) or set $CXX, or leave compile off")
-    # one graph for one-token steps and one for the rest; bf16 rounded where eager rounds it
-    return torch.compile(model, dynamic=True, options={'emulate_precision_casts': True})
-
-def run_compiled(compiled: Callable, input_ids: torch.Tensor, positions: torch.Tensor,
-                 attn_metadata: AttentionMetadata) -> torch.Tensor:
-    "A compiled model over the flat batch, its attention op reading this step's metadata: [T, H]."
-    token = _step_metadata.set(attn_metadata)
-    try:
-        return compiled(input_ids, positions, OPAQUE_ATTENTION)
-    finally:
-        _step_metadata.reset(token)
-
 # %% ../nbs/14_engine.ipynb #dd9ab168
 def _is_token_ids(p) -> bool:
     "True for one prompt given as token ids (a non-empty list of ints)."
@@ -862,31 +234,10 @@ def _is_conversation(m) -> bool:
     "True for one conversation (a non-empty list of message dicts)."
     return isinstance(m, (list, tuple)) and len(m) > 0 and all(isinstance(x, dict) for x in m)
 
-def merge_outputs(older: RequestOutput, newer: RequestOutput) -> RequestOutput:
-    "Two outputs of one request as one: the newer state, with the deltas of both steps."
-    for old, new in zip(older.outputs, newer.outputs):
-        new.delta_text = old.delta_text + new.delta_text
-        new.delta_token_ids = old.delta_token_ids + new.delta_token_ids
-    return newer
-
 class LLM:
     "Offline inference in one object: load a model once, then `generate`, `chat` or `stream`."
-    def __init__(self, model, dtype=None, device=None, block_size: int = 16,
-                 kv_cache_memory: int | None = None, gpu_memory_utilization: float = 0.9,
-                 max_model_len: int | None = None, max_num_batched_tokens: int = 2048,
-                 max_num_seqs: int | None = None, enable_prefix_caching: bool = True,
-                 tokenizer=None, speculative_config: dict | None = None,
-                 attention_backend: str = 'auto', enforce_eager: bool = False,
-                 enable_torch_compile: bool = False,
-                 quantization: str | None = None):
-        self.engine = LLMEngine.from_pretrained(
-            model, dtype=dtype, device=device, tokenizer=tokenizer, quantization=quantization,
-            block_size=block_size, kv_cache_memory=kv_cache_memory,
-            gpu_memory_utilization=gpu_memory_utilization,
-            max_model_len=max_model_len, max_num_batched_tokens=max_num_batched_tokens,
-            max_num_seqs=max_num_seqs, enable_prefix_caching=enable_prefix_caching,
-            speculative_config=speculative_config, attention_backend=attention_backend,
-            enforce_eager=enforce_eager, enable_torch_compile=enable_torch_compile)
+    def __init__(self, model, config: EngineConfig | None = None, tokenizer=None, **options):
+        self.engine = LLMEngine.from_pretrained(model, tokenizer, config, **options)
         # request id -> what it gained since its consumer last looked (None: nothing yet)
         self._unread: dict[str, RequestOutput | None] = {}
 
@@ -979,14 +330,12 @@ class LLM:
     def _chat_ids(self, messages, chat_template_kwargs=None, enable_thinking=None,
                   tools=None) -> list[int]:
         "Token ids of a conversation under the model's chat template, ready for the reply."
-        tok = self.engine.tokenizer
-        if tok is None:
+        if self.engine.tokenizer is None:
             raise ValueError("this model was loaded without a tokenizer, so it has no chat "
                              "template: use generate() with token ids")
-        text = tok.apply_chat_template(list(messages), add_generation_prompt=True, tools=tools,
-                                       enable_thinking=enable_thinking, tokenize=False,
-                                       **(chat_template_kwargs or {}))
-        return tok.encode(text)   # the template wrote the special tokens itself
+        return self.engine.tokenizer.chat_ids(list(messages), tools=tools,
+                                              enable_thinking=enable_thinking,
+                                              **(chat_template_kwargs or {}))
 
     def chat(self, messages, sampling_params=None, use_tqdm: bool = True,
              chat_template_kwargs: dict | None = None, enable_thinking: bool | None = None,

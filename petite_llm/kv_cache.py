@@ -113,7 +113,7 @@ def generate_cached(model, prompts: list[list[int]], max_new_tokens: int = 32,
                                                           [len(new[r]) for r in active],
                                                           max_len, device)
             input_ids = torch.tensor([t for r in active for t in new[r]], device=device)  # [T]
-            hidden = model(input_ids, positions, md)                                      # [T, H]
+            hidden = model.model(input_ids, positions, md)                                # [T, H]
             # each sequence's last token: [B]
             last = torch.tensor(md.query_start_loc[1:], device=device) - 1
             next_ids = model.compute_logits(hidden[last]).argmax(-1).tolist()             # [B]
@@ -143,11 +143,11 @@ def time_decode_step(model, context_len: int, cached: bool, repeats: int = 3) ->
         max_len = context_len + 1
         allocate_contiguous_cache(model, 1, max_len)
         md, pos = ContiguousCacheMetadata.build([0], [0], [context_len], max_len, device)
-        model(ids[:context_len], pos, md)                             # prefill, not timed
+        model.model(ids[:context_len], pos, md)                       # prefill, not timed
         md, pos = ContiguousCacheMetadata.build([0], [context_len], [1], max_len, device)
         def step():
             # one decode; every call rewrites the same slot
-            return model.compute_logits(model(ids[context_len:], pos, md)).argmax()
+            return model(ids[context_len:], pos, md).argmax()
     try:
         step()                                                        # warm-up
         times = []

@@ -66,6 +66,5 @@ class Qwen3ForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 attn_metadata=None) -> torch.Tensor:
-        "Without metadata: logits [T, vocab] (the reference); with metadata: hidden states [T, H]."
-        hidden = self.model(input_ids, positions, attn_metadata)
-        return self.compute_logits(hidden) if attn_metadata is None else hidden
+        "input_ids [T], positions [T] -> logits [T, vocab_size] at every position."
+        return self.compute_logits(self.model(input_ids, positions, attn_metadata))

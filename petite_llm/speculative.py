@@ -13,13 +13,14 @@ import torch
 from torch import nn
 
 from .backends import AttentionBackend
-from .engine import ModelRunner, ModelRunnerOutput, load_engine_model
-from .sampling import Sampler, SamplingParams, draw, exponential_noise, seed_for
+from .loading import load_engine_model
+from .runner import ModelRunner, ModelRunnerOutput
+from .sampling import Sampler, SamplingParams, draw, seed_for
 from .scheduler import Scheduler, SchedulerOutput, Sequence, SequenceStatus
 
 # %% auto #0
 __all__ = ['SPECULATIVE_METHODS', 'SpeculativeConfig', 'speculative_config', 'ngram_propose', 'verify_drafts', 'emitted_tokens',
-           'speculate_pairs', 'pair_chi_square', 'load_draft_model', 'draft_params', 'DraftModelProposer', 'Speculator']
+           'load_draft_model', 'draft_params', 'DraftModelProposer', 'Speculator']
 
 # %% ../nbs/15_speculative.ipynb #aa4a30e5
 SPECULATIVE_METHODS = ('ngram', 'draft_model')
@@ -150,47 +151,6 @@ def emitted_tokens(accepted: torch.Tensor, recovered: torch.Tensor, draft_token_
         tokens.append(drafts[start:start + num_accepted] + [recovered[start + num_accepted]])
         start += n
     return tokens
-
-# %% ../nbs/15_speculative.ipynb #9d686e7f
-def speculate_pairs(target_probs: torch.Tensor, draft_probs: torch.Tensor, first_token: int,
-                    num_speculative_tokens: int, num_trials: int, generator: torch.Generator,
-                    verify=verify_drafts, one_hot: bool = False) -> torch.Tensor:
-    "The first two tokens emitted by toy speculation after first_token, per trial: [N, 2]."
-    # target_probs, draft_probs [V, V]: the processed next-token distribution after each token;
-    # one_hot: the drafts are the draft table's argmax, q one-hot (as n-gram drafts are)
-    V = target_probs.shape[-1]
-
-    def one_step(last):                                                     # last [N]
-        n, prev, drafts = len(last), last, []
-        for _ in range(num_speculative_tokens):
-            noise = torch.ones(n, V) if one_hot else exponential_noise((n, V), generator)
-            prev = draw(draft_probs[prev], noise)
-            drafts.append(prev)
-        before = torch.stack([last] + drafts, 1)       # [N, k+1]: the token before each row
-        ids = torch.cat([torch.stack(drafts, 1), torch.full((n, 1), -1)], 1).reshape(-1)
-        q = torch.cat([draft_probs[before[:, :-1]], torch.zeros(n, 1, V)], 1).reshape(-1, V)
-        p = target_probs[before].reshape(-1, V)                             # [N*(k+1), V]
-        accepted, recovered = verify(p, ids, None if one_hot else q,
-                                     exponential_noise(p.shape, generator))
-        return emitted_tokens(accepted, recovered, ids, [num_speculative_tokens + 1] * n)
-
-    tokens = one_step(torch.full((num_trials,), first_token))
-    # trials whose first draft was rejected speculate once more for their second token
-    short = [i for i, t in enumerate(tokens) if len(t) == 1]
-    for i, more in zip(short, one_step(torch.tensor([tokens[i][0] for i in short]))):
-        tokens[i] = tokens[i] + more[:1]
-    return torch.tensor([t[:2] for t in tokens])
-
-def pair_chi_square(pairs: torch.Tensor, target_probs: torch.Tensor,
-                    first_token: int) -> tuple[float, int, int]:
-    "Chi-square of pair counts [N, 2] against p(a|first) p(b|a): (statistic, df, forbidden seen)."
-    V, num_trials = target_probs.shape[-1], len(pairs)
-    expected = (target_probs[first_token].unsqueeze(1) * target_probs).reshape(-1) * num_trials
-    observed = torch.bincount(pairs[:, 0] * V + pairs[:, 1], minlength=V * V).double()
-    possible = expected > 0
-    diff = observed[possible] - expected[possible]
-    statistic = (diff ** 2 / expected[possible]).sum().item()
-    return statistic, int(possible.sum()) - 1, int(observed[~possible].sum())
 
 # %% ../nbs/15_speculative.ipynb #7fab2234
 def load_draft_model(config: SpeculativeConfig, target: nn.Module) -> nn.Module | None:

@@ -11,7 +11,8 @@ import transformers
 
 from petite_llm.backends import AttentionMetadata
 from petite_llm.config import ModelConfig
-from petite_llm.engine import LLM, CUDAGraphs, LLMEngine, cuda_graph_batch_sizes
+from petite_llm.engine import LLM, LLMEngine
+from petite_llm.runner import CUDAGraphs, cuda_graph_batch_sizes
 from petite_llm.model import Qwen3ForCausalLM
 from petite_llm.sampling import SamplingParams
 
@@ -130,7 +131,7 @@ def test_graphed_engine_gives_the_eager_tokens(block_size):
 
 def test_enforce_eager_and_cpu_record_nothing():
     engine = LLMEngine(_tiny(), kv_cache_memory=2**20)
-    assert engine.runner.cuda_graphs is None and not engine.cuda_graphs
+    assert engine.runner.cuda_graphs is None
 
 
 # --- on a GPU: real graphs -------------------------------------------------------------------
@@ -154,7 +155,8 @@ def test_cuda_graphs_match_eager_and_transformers(tmp_path, block_size, record_l
     kw = dict(dtype='float32', device='cuda', attention_backend='triton', max_num_seqs=8,
               block_size=block_size, kv_cache_memory=2**26)
     eager, graphed = LLM(tmp_path, enforce_eager=True, **kw), LLM(tmp_path, **kw)
-    assert graphed.engine.cuda_graphs and not eager.engine.cuda_graphs
+    assert graphed.engine.runner.cuda_graphs is not None
+    assert eager.engine.runner.cuda_graphs is None
     rows = record_logits(graphed)
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
               for n in (12, 3, 9, 6, 1)]

@@ -16,7 +16,7 @@ import torch
 import transformers
 
 from petite_llm.config import ModelConfig
-from petite_llm.engine import LLM
+from petite_llm.engine import LLM, LLMEngine
 from petite_llm.layers.linear import PackedLinear, packed_linear_available, prepack_linears
 from petite_llm.paging import kv_bytes_per_block
 from petite_llm.sampling import SamplingParams
@@ -451,7 +451,7 @@ def test_only_bf16_is_packed(f32):
 
 def test_dtype_names_come_from_the_one_table(f32, f64):
     "dtype= takes any spelling of the table; None and 'auto' run float32 in the default dtype."
-    from petite_llm.engine import default_dtype
+    from petite_llm.loading import default_dtype
     path = f32[0]
     for dtype, want in [('FP64', torch.float64), ('torch.float64', torch.float64),
                         ('fp32', torch.float32),
@@ -470,7 +470,7 @@ def test_dtype_names_come_from_the_one_table(f32, f64):
                                                   (False, False, torch.float32)])
 def test_default_dtype_follows_the_cpu(monkeypatch, amx, avx512_bf16, want):
     "bfloat16 only where the CPU computes it natively (AMX or AVX512-BF16), else float32."
-    from petite_llm.engine import default_dtype, native_bf16
+    from petite_llm.loading import default_dtype, native_bf16
     monkeypatch.setattr(torch.cpu, '_is_amx_tile_supported', lambda: amx)
     monkeypatch.setattr(torch.cpu, '_is_avx512_bf16_supported', lambda: avx512_bf16)
     assert default_dtype('cpu') == want
@@ -513,9 +513,88 @@ def test_compiled_engine_greedy_parity_f64(f64):
 
 def test_compile_refusals(f64, monkeypatch):
     "torch.compile is refused off the CPU and without a C++ compiler, each with what to do."
-    from petite_llm.engine import compile_model
+    from petite_llm.runner import compile_model
     with pytest.raises(ValueError, match="CUDA graphs"):
         compile_model(torch.nn.Linear(2, 2, device='meta'))
     monkeypatch.setenv('CXX', 'no-such-c++-compiler')
     with pytest.raises(RuntimeError, match="install g\\+\\+"):
         LLM(f64[0], enable_torch_compile=True)
+
+
+# --- one EngineConfig; the GPU memory rule, on fake readings -----------------------------------
+
+def test_engine_config_is_what_llm_and_the_engine_keep(f64):
+    "Keyword options update the default EngineConfig; a misspelt one names the real ones."
+    from petite_llm.engine_config import EngineConfig
+    path, _ = f64
+    llm = LLM(path, block_size=4, kv_cache_memory=1 << 20, max_num_batched_tokens=32)
+    assert llm.engine.config == EngineConfig(block_size=4, kv_cache_memory=1 << 20,
+                                             max_num_batched_tokens=32)
+    assert llm.engine.config.num_seqs == 32 and llm.engine.scheduler.max_num_seqs == 32
+    config = EngineConfig(block_size=8, kv_cache_memory=1 << 20)
+    assert LLM(path, config, max_model_len=64).engine.config == config.updated(max_model_len=64)
+    with pytest.raises(TypeError, match="max_model_len"):
+        LLM(path, max_model_length=64)
+    with pytest.raises(ValueError, match="from_pretrained"):
+        LLMEngine(llm.engine.model, dtype='float32')
+
+
+class FakeGPU:
+    "A GPU's memory as readings: total, and what the engines on it have allocated."
+    def __init__(self, total):
+        self.total, self.used = total, 0
+
+    def allocate(self, num_bytes):
+        assert self.used + num_bytes <= self.total, "the fake GPU ran out of memory"
+        self.used += num_bytes
+
+
+def _start(gpu, utilization, weights=3 * 2**30, activations=2**30):
+    "An engine's start: its weights, then the KV pool the rule sizes from the readings."
+    from petite_llm.engine_config import gpu_kv_cache_budget
+    gpu.allocate(weights)
+    kv = gpu_kv_cache_budget(gpu.total, gpu.total - gpu.used, weights, activations, utilization)
+    gpu.allocate(kv)
+    return kv
+
+
+def test_gpu_memory_utilization_composes():
+    "Two engines at 0.3 fit on one GPU; a third that does not fit is refused before its pool."
+    gpu = FakeGPU(80 * 2**30)
+    first, second = _start(gpu, 0.3), _start(gpu, 0.3)
+    # each takes 0.3 of the GPU in all: weights + activations + KV, whatever the other holds
+    assert first == second == int(80 * 2**30 * 0.3) - 4 * 2**30
+    used = gpu.used
+    with pytest.raises(ValueError) as e:
+        _start(gpu, 0.5)
+    assert gpu.used - used == 3 * 2**30          # its weights only: no KV pool was allocated
+    message = str(e.value)
+    assert 'only 31.00 GiB of the GPU is free' in message and 'weights' in message
+    # the fix it names: at most (free + weights) / total, which then fits
+    most = float(message.split('at most ')[1].split(',')[0])
+    assert most == 0.42                          # (31 + 3) / 80, rounded down
+    gpu.used = used
+    _start(gpu, most - 0.01)
+
+
+def test_too_little_room_names_the_sizes_and_the_fix():
+    from petite_llm.engine_config import gpu_kv_cache_budget
+    with pytest.raises(ValueError, match=r"weights take 30.00 GiB.*raise gpu_memory_utilization"):
+        gpu_kv_cache_budget(80 * 2**30, 79 * 2**30, 30 * 2**30, 2**30, 0.3)
+
+
+def test_engine_sizes_its_pool_before_allocating(f64, monkeypatch):
+    "A refused budget leaves nothing allocated: the KV pool is sized before the runner exists."
+    import petite_llm.engine_config as engine_config
+    import petite_llm.runner as runner
+    path, _ = f64
+    model = LLM(path, kv_cache_memory=1 << 20).engine.model
+    allocated = []
+    monkeypatch.setattr(runner, 'allocate_kv_cache', lambda *a: allocated.append(a))
+
+    def refuse(models, utilization):
+        raise ValueError("the KV cache would take more than is free")
+    monkeypatch.setattr(engine_config, 'default_kv_cache_memory', refuse)
+    with pytest.raises(ValueError, match="more than is free"):
+        LLMEngine(model, gpu_memory_utilization=0.5)
+    assert allocated == []

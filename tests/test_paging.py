@@ -272,7 +272,7 @@ def test_model_paged_matches_reference_path(bs, nkv):
             md = AttentionMetadata.build([tables[i] for i, _ in step], [done[i] for i, _ in step],
                                          [n for _, n in step], bs, 'cpu', backend)
             ids = torch.cat([seqs[i][done[i]:done[i] + n] for i, n in step])
-            hidden = model(ids, md.positions, md)
+            hidden = model.model(ids, md.positions, md)
             out = model.compute_logits(hidden)
             for (i, n), start in zip(step, md.query_start_loc_cpu):
                 logits[i].append(out[start:start + n])

@@ -9,8 +9,8 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from petite_llm.sampling import Sampler, SamplingParams, draw
-from petite_llm.speculative import (SpeculativeConfig, emitted_tokens, ngram_propose,
-                                    pair_chi_square, speculate_pairs, verify_drafts)
+from petite_llm.speculative import SpeculativeConfig, emitted_tokens, ngram_propose, verify_drafts
+from speculation_stats import pair_chi_square, speculate_pairs, wrong_acceptance, wrong_residual
 
 
 # --- the config ---------------------------------------------------------------------------------
@@ -143,20 +143,6 @@ def _chi_square_passes(verify, params, one_hot=False, seed=1):
                             verify, one_hot)
     stat, df, forbidden = pair_chi_square(pairs, target, FIRST)
     return stat < df + 6 * math.sqrt(2 * df) and forbidden == 0
-
-
-def wrong_acceptance(p, ids, q, noise):
-    "Accepts a draft with probability p(x), as if q were one-hot."
-    _, recovered = verify_drafts(p, ids, q, noise)
-    x = ids.clamp(min=0).unsqueeze(-1)
-    u = torch.exp(-noise.gather(-1, x)[:, 0])
-    return (ids >= 0) & (u < p.gather(-1, x)[:, 0]), recovered
-
-
-def wrong_residual(p, ids, q, noise):
-    "Redraws a rejected position from p instead of norm(max(p - q, 0))."
-    accepted, _ = verify_drafts(p, ids, q, noise)
-    return accepted, draw(p, noise)
 
 
 @pytest.mark.parametrize("name", FILTERS)
