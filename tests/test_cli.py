@@ -4,9 +4,11 @@ import os
 import signal
 import subprocess
 import sys
+import types
 from contextlib import redirect_stderr, redirect_stdout
 
 import pytest
+import torch
 
 from petite_llm.cli import build_parser, main
 
@@ -77,25 +79,28 @@ def test_invalid_sampling_values_exit_2(argv, msg):
     assert 'Traceback' not in err
 
 
-def test_engine_options():
-    "The engine flags become LLM's keyword arguments, with vLLM's speculative_config keys."
-    from petite_llm.cli import engine_options
+def test_engine_config():
+    "The model flags become one EngineConfig, with vLLM's speculative_config keys."
+    from petite_llm.cli_runner import engine_config
+    from petite_llm.engine_config import EngineConfig
     parse = build_parser().parse_args
-    assert engine_options(parse(['generate', 'hi'])) == dict(
-        attention_backend='auto', enforce_eager=False, enable_torch_compile=False,
+    assert engine_config(parse(['generate', '--device', 'cpu', 'hi'])) == EngineConfig(
+        device='cpu', attention_backend='auto', enforce_eager=False, enable_torch_compile=False,
         quantization=None)
-    assert engine_options(parse(['chat', '--enable-torch-compile']))['enable_torch_compile']
-    assert engine_options(parse(['generate', '--quantization', 'int8', 'hi']))['quantization'] \
+    assert engine_config(parse(['chat', '--enable-torch-compile'])).enable_torch_compile
+    assert engine_config(parse(['generate', '--quantization', 'int8', 'hi'])).quantization \
         == 'int8'
+    assert engine_config(parse(['generate', '--dtype', 'float64', 'hi'])).dtype == torch.float64
     args = parse(['serve', '--attention-backend', 'torch', '--enforce-eager',
                   '--speculative', 'ngram', '--num-speculative-tokens', '3'])
-    options = engine_options(args)
-    assert options['attention_backend'] == 'torch' and options['enforce_eager']
-    assert options['speculative_config'] == dict(method='ngram', num_speculative_tokens=3,
-                                                 prompt_lookup_min=2, prompt_lookup_max=4)
-    draft = engine_options(parse(['chat', '--speculative', '/models/draft']))
-    assert draft['speculative_config'] == dict(method='draft_model', model='/models/draft',
-                                               num_speculative_tokens=4)
+    config = engine_config(args, max_model_len=64)
+    assert config.attention_backend == 'torch' and config.enforce_eager
+    assert config.max_model_len == 64
+    assert config.speculative_config == dict(method='ngram', num_speculative_tokens=3,
+                                             prompt_lookup_min=2, prompt_lookup_max=4)
+    draft = engine_config(parse(['chat', '--speculative', '/models/draft']))
+    assert draft.speculative_config == dict(method='draft_model', model='/models/draft',
+                                            num_speculative_tokens=4)
 
 
 def test_speculative_flag_keeps_greedy_text():
@@ -133,8 +138,9 @@ class FakeRunner:
 
     def __init__(self, replies):
         self.replies, self.conversations = list(replies), []
+        self.tokenizer = types.SimpleNamespace(chat_ids=self.chat_ids)
 
-    def chat_prompt(self, messages, **kw):
+    def chat_ids(self, messages, **kw):
         self.conversations.append([dict(m) for m in messages])
         return [1, 2, 3]
 
@@ -176,7 +182,7 @@ def test_chat_repl_history_think_and_ctrl_c(monkeypatch):
 
 
 def test_explain_lines():
-    from petite_llm.cli import explain_lines
+    from petite_llm.cli_explain import explain_lines
     from petite_llm.generate import GenerationResult
 
     class Tok:
@@ -201,7 +207,7 @@ def test_explain_lines():
 def loaded():
     "One engine on the default model, shared by the tests below (loading is most of their time)."
     import petite_llm.cli as cli
-    return cli.Runner(cli.default_model(), 'auto', 'auto')
+    return cli.Runner(cli.default_model(), cli.engine_config(build_parser().parse_args(['chat'])))
 
 
 @pytest.fixture
@@ -288,7 +294,7 @@ petite_llm:time_to_first_token_seconds_sum 4.0
 
 def test_parse_metrics_and_quantiles():
     import math
-    from petite_llm.cli import histogram_quantile, parse_metrics
+    from petite_llm.cli_top import histogram_quantile, parse_metrics
     m = parse_metrics(METRICS_TEXT)
     assert m['petite_llm:num_requests_running'] == 4
     assert m['petite_llm:kv_cache_usage_perc'] == 0.625
