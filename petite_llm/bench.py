@@ -4,105 +4,20 @@
 
 # %% ../nbs/17_benchmarks.ipynb #116c2937
 from __future__ import annotations
-import argparse, contextlib, gc, json, os, platform, random, re, sys, time
+import argparse, contextlib, gc, json, os, platform, sys, time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from .config import DTYPES, parse_dtype
+from .bench_peers import (SHAPES, PetitePeer, TransformersPeer, as_dtype, dtype_name,
+                                    make_random_checkpoint, make_requests)
 from .layers.linear import PackedLinear, packed_linear_available
 
 # %% auto #0
-__all__ = ['SHAPES', 'FULL', 'QUICK', 'SPEC_PASSAGE', 'SPEC_TASKS', 'as_dtype', 'dtype_name', 'shape_config', 'default_cache_dir',
-           'make_random_checkpoint', 'linear_shapes', 'weight_bytes', 'memory_read_gb_s', 'linear_bound',
-           'TransformersPeer', 'PetitePeer', 'make_requests', 'measure_prefill_decode', 'measure_offline',
-           'choose_batch_size', 'num_threads', 'run_benchmark', 'ratios', 'plot_results', 'add_arguments', 'run',
-           'profile_decode', 'scoreboard', 'real_model', 'run_batch_sweep', 'sweep_table', 'plot_sweep', 'best_greedy',
-           'run_speculative_benchmark', 'speculative_table', 'add_sweep_arguments', 'add_speculative_arguments',
-           'run_sweep', 'run_speculative']
-
-# %% ../nbs/17_benchmarks.ipynb #57b5590e
-SHAPES = {
-    # Qwen/Qwen3-0.6B's config.json: every field that changes a tensor shape or the arithmetic
-    'qwen3-0.6b': dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072,
-                       num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
-                       head_dim=128, rope_theta=1_000_000.0, max_position_embeddings=40960,
-                       rms_norm_eps=1e-6, tie_word_embeddings=True,
-                       bos_token_id=151643, eos_token_id=151645),
-    # Qwen/Qwen3-8B's config.json: the GPU roofline cell's model
-    'qwen3-8b': dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288,
-                     num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
-                     head_dim=128, rope_theta=1_000_000.0, max_position_embeddings=40960,
-                     rms_norm_eps=1e-6, tie_word_embeddings=False,
-                     bos_token_id=151643, eos_token_id=151645),
-    # the same family at toy size: smoke tests and this chapter's unflagged cells run it in seconds
-    'tiny': dict(vocab_size=4096, hidden_size=256, intermediate_size=768,
-                 num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-                 head_dim=64, rope_theta=1_000_000.0, max_position_embeddings=4096,
-                 rms_norm_eps=1e-6, tie_word_embeddings=True,
-                 bos_token_id=0, eos_token_id=1),
-}
-
-def as_dtype(dtype) -> torch.dtype:
-    "`parse_dtype` for the benchmark, which needs a real dtype: None and 'auto' are refused."
-    parsed = parse_dtype(dtype)
-    if parsed is None:
-        raise ValueError(f"the benchmark needs an explicit dtype, got {dtype!r}: "
-                         f"use one of {sorted(DTYPES)}")
-    return parsed
-
-def dtype_name(dtype) -> str:
-    "'bfloat16' for torch.bfloat16 (the name JSON and folder names use)."
-    return str(as_dtype(dtype)).removeprefix('torch.')
-
-def shape_config(shape: str = 'qwen3-0.6b', num_layers: int | None = None) -> dict:
-    "The config fields of a named benchmark shape, with an optional layer-count override."
-    if shape not in SHAPES:
-        raise ValueError(f"unknown shape {shape!r}: choose one of {sorted(SHAPES)}")
-    cfg = dict(SHAPES[shape])
-    if num_layers is not None:
-        if num_layers < 1:
-            raise ValueError(f"num_layers must be at least 1, got {num_layers}")
-        cfg['num_hidden_layers'] = num_layers
-    return cfg
-
-# %% ../nbs/17_benchmarks.ipynb #f142dc12
-def default_cache_dir() -> Path:
-    "Where benchmark checkpoints live: $PETITE_LLM_CACHE/bench, else ~/.cache/petite_llm/bench."
-    root = os.environ.get('PETITE_LLM_CACHE')
-    if not root:
-        cache_home = os.environ.get('XDG_CACHE_HOME') or Path.home()/'.cache'
-        root = Path(cache_home)/'petite_llm'
-    return Path(root)/'bench'
-
-def _is_checkpoint(path: Path) -> bool:
-    return (path/'config.json').exists() and any(path.glob('*.safetensors'))
-
-def make_random_checkpoint(path=None, shape: str = 'qwen3-0.6b', dtype=torch.bfloat16,
-                           num_layers: int | None = None, seed: int = 0) -> Path:
-    "Write (once) a random-weight transformers checkpoint of a named shape and return its folder."
-    dtype, cfg = as_dtype(dtype), shape_config(shape, num_layers)
-    name = f"{shape}-{cfg['num_hidden_layers']}L-{dtype_name(dtype)}-seed{seed}"
-    path = Path(path) if path is not None else default_cache_dir()/name
-    if _is_checkpoint(path):
-        return path
-    if path.exists() and any(path.iterdir()):
-        raise ValueError(f"{path} exists but holds no checkpoint (config.json + *.safetensors): "
-                         "delete it or pass another path")
-    try:
-        from transformers import Qwen3Config, Qwen3ForCausalLM
-    except ImportError as e:
-        raise ImportError("the benchmark needs transformers: pip install transformers") from e
-    torch.manual_seed(seed)
-    # built in dtype: no float32 copy
-    model = Qwen3ForCausalLM._from_config(Qwen3Config(**cfg), dtype=dtype)
-    tmp = path.with_name(f'.{path.name}.tmp{os.getpid()}')
-    tmp.parent.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(tmp)
-    del model
-    os.replace(tmp, path)  # atomic on one file system
-    return path
+__all__ = ['FULL', 'QUICK', 'linear_shapes', 'weight_bytes', 'memory_read_gb_s', 'linear_bound', 'measure_prefill_decode',
+           'measure_offline', 'choose_batch_size', 'num_threads', 'run_benchmark', 'ratios', 'plot_results',
+           'add_arguments', 'run', 'scoreboard']
 
 # %% ../nbs/17_benchmarks.ipynb #b04d180f
 def linear_shapes(cfg: dict) -> list[tuple[int, int]]:
@@ -167,90 +82,6 @@ def linear_bound(cfg: dict, dtype=torch.bfloat16, device='cpu', repeats: int = 5
     return dict(sec_per_token=sec, tok_s=1 / sec, weight_bytes=nbytes, gb_s=nbytes / sec / 1e9,
                 matmuls=len(shapes))
 
-# %% ../nbs/17_benchmarks.ipynb #1d42da95
-class TransformersPeer:
-    "transformers `generate` over static, left-padded, length-sorted batches: our peer."
-    name = 'transformers'
-    def __init__(self, path, dtype=torch.bfloat16, device='cpu', batch_size: int = 1):
-        try:
-            from transformers import AutoModelForCausalLM
-        except ImportError as e:
-            raise ImportError("the benchmark's peer needs transformers: "
-                              "pip install transformers") from e
-        path = Path(path)
-        # a .gguf file: transformers dequantizes it, as chapter 06 does
-        where, gguf = (path.parent, dict(gguf_file=path.name)) if path.suffix == '.gguf' else (
-            path, {})
-        model = AutoModelForCausalLM.from_pretrained(where, dtype=as_dtype(dtype), **gguf)
-        self.model = model.to(device).eval()
-        self.device, self.batch_size = torch.device(device), batch_size
-
-    def generate(self, prompts: list[list[int]], max_tokens: list[int]):
-        "Greedy-generate max_tokens[i] tokens for prompts[i], batch_size at a time, shortest first."
-        order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
-        for start in range(0, len(order), self.batch_size):
-            idx = order[start:start + self.batch_size]
-            self._generate_batch([prompts[i] for i in idx], max(max_tokens[i] for i in idx))
-
-    def _generate_batch(self, prompts: list[list[int]], n: int):
-        L = max(map(len, prompts))
-        ids = torch.zeros(len(prompts), L, dtype=torch.long)  # [B, L], left-padded with token 0
-        mask = torch.zeros_like(ids)
-        for r, p in enumerate(prompts):
-            ids[r, L - len(p):] = torch.tensor(p)
-            mask[r, L - len(p):] = 1
-        with torch.inference_mode():
-            out = self.model.generate(input_ids=ids.to(self.device),
-                                      attention_mask=mask.to(self.device),
-                                      do_sample=False, max_new_tokens=n, min_new_tokens=n,
-                                      pad_token_id=0)
-        # min_new_tokens: EOS never stops a batch early
-        assert out.shape == (len(prompts), L + n), out.shape
-
-    def greedy(self, prompt: list[int], max_tokens: int) -> list[int]:
-        "One prompt's greedy tokens: at most max_tokens, up to and including EOS."
-        ids = torch.tensor([prompt], device=self.device)                 # [1, L]
-        with torch.inference_mode():
-            out = self.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
-                                      do_sample=False, max_new_tokens=max_tokens)
-        return out[0, len(prompt):].tolist()
-
-class PetitePeer:
-    "petite_llm's `LLM.generate`: one call, the scheduler batches continuously."
-    name = 'petite_llm'
-    def __init__(self, path, dtype=torch.bfloat16, device='cpu', **llm_kwargs):
-        from petite_llm.engine import LLM
-        from petite_llm.sampling import SamplingParams
-        self.SamplingParams = SamplingParams
-        self.llm = LLM(str(path), dtype=as_dtype(dtype), device=device, **llm_kwargs)
-
-    def generate(self, prompts: list[list[int]], max_tokens: list[int]):
-        "Greedy-generate exactly max_tokens[i] tokens for prompts[i] in one engine call."
-        sps = [self.SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
-               for n in max_tokens]
-        outs = self.llm.generate(prompts, sps, use_tqdm=False)
-        assert [len(o.token_ids) for o in outs] == list(max_tokens)
-
-    def greedy(self, prompt: list[int], max_tokens: int) -> list[int]:
-        "One prompt's greedy tokens, at most max_tokens, up to EOS; its metrics kept in .metrics."
-        out = self.llm.generate([prompt], self.SamplingParams(temperature=0, max_tokens=max_tokens),
-                                use_tqdm=False)[0]
-        self.metrics = out.metrics
-        return list(out.token_ids)
-
-# %% ../nbs/17_benchmarks.ipynb #302b5604
-def make_requests(n: int, min_len: int, max_len: int, vocab_size: int, seed: int = 0,
-                  out_min: int | None = None,
-                  out_max: int | None = None) -> list[tuple[list[int], int]]:
-    "n seeded (prompt token ids, output length) pairs, lengths uniform in [min_len, max_len]."
-    rng, hi = random.Random(seed), min(vocab_size, 10_000)
-    out_min, out_max = out_min or min_len, out_max or max_len
-    requests = []
-    for _ in range(n):
-        prompt = [rng.randrange(hi) for _ in range(rng.randint(min_len, max_len))]
-        requests.append((prompt, rng.randint(out_min, out_max)))
-    return requests
-
 # %% ../nbs/17_benchmarks.ipynb #60bd60c5
 def measure_prefill_decode(peer, prompt_len: int, decode_tokens: int, vocab_size: int,
                            repeats: int = 2, device='cpu', seed: int = 1000) -> dict:
@@ -307,23 +138,58 @@ def num_threads(threads: int | None):
     finally:
         torch.set_num_threads(old)
 
+def _run_options(quick: bool, **given) -> dict:
+    "The workload's sizes: those given, the preset's for the rest; impossible ones refused."
+    preset = QUICK if quick else FULL
+    opts = {k: (v if v is not None else preset[k]) for k, v in given.items()}
+    if opts['decode_tokens'] < 2:
+        raise ValueError("decode_tokens must be at least 2 (decode is timed after the first token)")
+    if not 1 <= opts['min_len'] <= opts['max_len']:
+        raise ValueError(f"need 1 <= min_len <= max_len, got {opts['min_len']}, {opts['max_len']}")
+    return opts
+
+def _measure_bounds(res: dict, cfg: dict, dtype, device, opts: dict):
+    "What the hardware allows, into res: memory read speed, roofline, the linear layers' bounds."
+    res['memory_read_gb_s'] = memory_read_gb_s(opts['read_bytes'], device=device)
+    res['roofline_tok_s'] = res['memory_read_gb_s'] * 1e9 / weight_bytes(cfg, dtype)
+    bound_repeats = max(3, opts['repeats'])
+    res['linear_bound'] = linear_bound(cfg, dtype, device, repeats=bound_repeats)
+    _free()
+    if packed_linear_available(dtype, device):
+        res['linear_bound_packed'] = linear_bound(cfg, dtype, device, repeats=bound_repeats,
+                                                  packed=True)
+        _free()
+
+def _measure_engine(name: str, path: Path, cfg: dict, dtype, device, opts: dict, offline: list,
+                    batch_sizes, seed: int, llm_kwargs: dict | None) -> dict:
+    "One engine's figures: prefill and decode, its batch size (transformers), the offline workload."
+    if name == 'petite_llm':
+        peer = PetitePeer(path, dtype, device, **(llm_kwargs or {}))
+    else:
+        peer = TransformersPeer(path, dtype, device)
+    warm_up = make_requests(2, 8, 16, cfg['vocab_size'], seed=seed + 7)
+    peer.generate([p for p, _ in warm_up], [n for _, n in warm_up])
+    figures = measure_prefill_decode(peer, opts['prompt_len'], opts['decode_tokens'],
+                                     cfg['vocab_size'], opts['repeats'], device, seed=seed + 1000)
+    if name == 'transformers':
+        figures['batch_size'], figures['batch_size_tok_s'] = choose_batch_size(
+            peer, offline, batch_sizes, opts['probe_requests'], opts['probe_tokens'], device)
+    figures.update(measure_offline(peer, offline, device))
+    del peer
+    _free()
+    return figures
+
 def run_benchmark(model=None, shape=None, layers=None, dtype='bfloat16', threads=None, device='cpu',
                   prompt_len=None, decode_tokens=None, requests=None, min_len=None, max_len=None,
                   batch_sizes=(1, 4, 8, 16), probe_requests=None, probe_tokens=None, repeats=None,
                   read_bytes=None, seed=0, quick=False, engines=('petite_llm', 'transformers'),
                   llm_kwargs=None) -> dict:
     "Measure petite_llm and transformers on the same weights, dtype and threads; figures in a dict."
-    given = dict(shape=shape, layers=layers, prompt_len=prompt_len, decode_tokens=decode_tokens,
-                 requests=requests, min_len=min_len, max_len=max_len,
-                 probe_requests=probe_requests, probe_tokens=probe_tokens,
-                 repeats=repeats, read_bytes=read_bytes)
-    preset = QUICK if quick else FULL
-    opts = {k: (v if v is not None else preset[k]) for k, v in given.items()}
+    opts = _run_options(quick, shape=shape, layers=layers, prompt_len=prompt_len,
+                        decode_tokens=decode_tokens, requests=requests, min_len=min_len,
+                        max_len=max_len, probe_requests=probe_requests, probe_tokens=probe_tokens,
+                        repeats=repeats, read_bytes=read_bytes)
     dtype, device = as_dtype(dtype), torch.device(device)
-    if opts['decode_tokens'] < 2:
-        raise ValueError("decode_tokens must be at least 2 (decode is timed after the first token)")
-    if not 1 <= opts['min_len'] <= opts['max_len']:
-        raise ValueError(f"need 1 <= min_len <= max_len, got {opts['min_len']}, {opts['max_len']}")
     unknown = set(engines) - {'petite_llm', 'transformers'}
     if unknown:
         raise ValueError(f"unknown engines {sorted(unknown)}: use petite_llm and/or transformers")
@@ -350,33 +216,10 @@ def run_benchmark(model=None, shape=None, layers=None, dtype='bfloat16', threads
                                 max_len=opts['max_len'], seed=seed,
                                 offline_prompt_tokens=sum(len(p) for p, _ in offline),
                                 offline_output_tokens=sum(n for _, n in offline)))
-        res['memory_read_gb_s'] = memory_read_gb_s(opts['read_bytes'], device=device)
-        res['roofline_tok_s'] = res['memory_read_gb_s'] * 1e9 / weight_bytes(cfg, dtype)
-        bound_repeats = max(3, opts['repeats'])
-        res['linear_bound'] = linear_bound(cfg, dtype, device, repeats=bound_repeats)
-        _free()
-        if packed_linear_available(dtype, device):
-            res['linear_bound_packed'] = linear_bound(cfg, dtype, device, repeats=bound_repeats,
-                                                      packed=True)
-            _free()
+        _measure_bounds(res, cfg, dtype, device, opts)
         for name in engines:
-            if name == 'petite_llm':
-                peer = PetitePeer(path, dtype, device, **(llm_kwargs or {}))
-            else:
-                peer = TransformersPeer(path, dtype, device)
-            warm_up = make_requests(2, 8, 16, cfg['vocab_size'], seed=seed + 7)
-            peer.generate([p for p, _ in warm_up], [n for _, n in warm_up])
-            figures = measure_prefill_decode(peer, opts['prompt_len'], opts['decode_tokens'],
-                                             cfg['vocab_size'], opts['repeats'], device,
-                                             seed=seed + 1000)
-            if name == 'transformers':
-                figures['batch_size'], figures['batch_size_tok_s'] = choose_batch_size(
-                    peer, offline, batch_sizes, opts['probe_requests'], opts['probe_tokens'],
-                    device)
-            figures.update(measure_offline(peer, offline, device))
-            res[name] = figures
-            del peer
-            _free()
+            res[name] = _measure_engine(name, path, cfg, dtype, device, opts, offline,
+                                        batch_sizes, seed, llm_kwargs)
     res['seconds'] = time.perf_counter() - t_start
     res['ratios'] = ratios(res)
     return res
@@ -495,63 +338,6 @@ def run(args) -> dict:
     print(json.dumps(res, indent=2))
     return res
 
-# %% ../nbs/17_benchmarks.ipynb #2c6650ea
-def profile_decode(path, dtype='bfloat16', prompt_len: int = 512, steps: int = 10, top: int = 15,
-                   llm_kwargs=None) -> dict:
-    "CPU ms per batch-1 decode step by function and by part: cProfile on one thread's CPU time."
-    import cProfile, inspect, pstats
-    from petite_llm.engine import LLM, ModelRunner
-    from petite_llm.scheduler import Scheduler
-    from petite_llm.sampling import SamplingParams
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)  # thread_time sees only this thread: keep all the work on it
-    try:
-        llm = LLM(str(path), dtype=as_dtype(dtype), **(llm_kwargs or {}))
-        engine = llm.engine
-        vocab = json.loads((Path(path)/'config.json').read_text())['vocab_size']
-        engine.add_request(make_requests(1, prompt_len, prompt_len, vocab, seed=99)[0][0],
-                           SamplingParams(temperature=0, max_tokens=steps + 2, ignore_eos=True))
-        # the prefill (one chunk up to max_num_batched_tokens), then a first decode
-        engine.step()
-        engine.step()
-        prof = cProfile.Profile(timer=time.thread_time)
-        start = time.thread_time()
-        prof.enable()
-        for _ in range(steps):
-            engine.step()
-        prof.disable()
-        total = time.thread_time() - start
-    finally:
-        torch.set_num_threads(old)
-    stats = pstats.Stats(prof).stats
-
-    def cumulative_ms(fn) -> float:
-        "CPU ms per step in fn and what it calls."
-        code = inspect.unwrap(fn).__code__
-        entry = stats.get((code.co_filename, code.co_firstlineno, code.co_name))
-        return 0.0 if entry is None else entry[3] / steps * 1e3
-    step_ms, run_ms = total / steps * 1e3, cumulative_ms(ModelRunner.run)
-    forward_ms, prepare_ms = cumulative_ms(ModelRunner.forward), cumulative_ms(ModelRunner.prepare)
-    schedule_ms = cumulative_ms(Scheduler.schedule)
-    parts = {'model forward': forward_ms, 'lm_head and sampling': run_ms - forward_ms - prepare_ms,
-             'host: metadata (prepare)': prepare_ms, 'host: schedule': schedule_ms,
-             'host: outputs and the rest': step_ms - run_ms - schedule_ms}
-    rows = []
-    for (file, line, func), (_, _, tottime, _, _) in stats.items():
-        if file == '~':
-            # a builtin: "<built-in method torch._C._nn.linear>",
-            # "<method 'to' of 'torch._C.TensorBase' objects>"
-            m = re.fullmatch(r"<method '(\w+)' of '[\w.]*TensorBase' objects>", func)
-            if m:
-                name = f'Tensor.{m.group(1)}'
-            else:
-                name = func.strip('<>{}').removeprefix('built-in method ')
-        else:
-            name = f"{Path(file).parent.name}/{Path(file).name}:{func}"
-        rows.append((name, tottime / steps * 1e3))
-    rows.sort(key=lambda r: -r[1])
-    return dict(step_ms=step_ms, prompt_len=prompt_len, top=rows[:top], parts=parts)
-
 # %% ../nbs/17_benchmarks.ipynb #dc8a5f98
 def _fmt(v) -> str:
     return '-' if v is None else f'{v:,.1f}'
@@ -592,185 +378,3 @@ def scoreboard(res: dict) -> str:
     lines.append(f"{res['shape']} · {res['dtype']} · {res['device']} · {res['threads']} threads · "
                  f"torch {res['torch']}")
     return '\n'.join(lines)
-
-# %% ../nbs/17_benchmarks.ipynb #16db166e
-def real_model(model=None) -> Path:
-    "The real-weight workloads' model: `model` (a folder or .gguf file), else the shipped SmolLM2."
-    if model:
-        return Path(model)
-    from petite_llm.weights import smollm2_gguf_path
-    return smollm2_gguf_path()
-
-def run_batch_sweep(model=None, batch_sizes=(1, 4, 8, 16, 32), prompt_len: int = 64,
-                    new_tokens: int = 64, repeats: int = 2, dtype='bfloat16', threads=None,
-                    seed: int = 0, llm_kwargs=None) -> dict:
-    "Both engines' tok/s at each batch size, on equal-length prompts (static batching's best case)."
-    path, dtype = real_model(model), as_dtype(dtype)
-    with num_threads(threads) as n:
-        petite = PetitePeer(path, dtype, **(llm_kwargs or {}))
-        hf = TransformersPeer(path, dtype)
-        vocab_size = petite.llm.engine.model.config.vocab_size
-        rows = []
-        for b in batch_sizes:
-            prompts = [p for p, _ in make_requests(b, prompt_len, prompt_len, vocab_size,
-                                                   seed=seed + b)]
-            hf.batch_size, row = b, dict(batch_size=b)
-            for peer in (petite, hf):
-                peer.generate(prompts[:1], [2])                  # warm-up: first-touch costs
-                sec = min(_timed(lambda: peer.generate(prompts, [new_tokens] * b))
-                          for _ in range(repeats))
-                row[f'{peer.name}_tok_s'] = b * new_tokens / sec
-            row['petite_vs_transformers'] = row['petite_llm_tok_s'] / row['transformers_tok_s']
-            rows.append(row)
-    return dict(model=path.name, dtype=dtype_name(dtype), threads=n, prompt_len=prompt_len,
-                new_tokens=new_tokens, repeats=repeats, torch=torch.__version__, rows=rows)
-
-def sweep_table(res: dict) -> str:
-    "The batch sweep as a plain-text table."
-    lines = [f"{'batch':>5}  {'petite_llm':>10}  {'transformers':>12}  petite/hf   (tok/s)"]
-    for r in res['rows']:
-        lines.append(f"{r['batch_size']:>5}  {r['petite_llm_tok_s']:>10.1f}  "
-                     f"{r['transformers_tok_s']:>12.1f}  {r['petite_vs_transformers']:8.2f}x")
-    lines.append(f"{res['model']} · {res['dtype']} · {res['threads']} threads · prompts of "
-                 f"{res['prompt_len']} tokens · {res['new_tokens']} new tokens · best of "
-                 f"{res['repeats']}")
-    return '\n'.join(lines)
-
-def plot_sweep(res: dict, path=None):
-    "tok/s against batch size for both engines; saved to path if given."
-    import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(6, 3.6))
-    sizes = [r['batch_size'] for r in res['rows']]
-    for name, color in (('petite_llm', 'C0'), ('transformers', 'C1')):
-        ax.plot(sizes, [r[f'{name}_tok_s'] for r in res['rows']], 'o-', color=color, label=name)
-    ax.set_xscale('log', base=2)
-    ax.set_xticks(sizes, [str(b) for b in sizes])
-    ax.set_xlabel('batch size (equal-length prompts)')
-    ax.set_ylabel('output tokens / s')
-    ax.set_title(f"{res['model']} · {res['dtype']} · {res['threads']} threads", fontsize=9)
-    ax.grid(alpha=.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    if path is not None:
-        fig.savefig(path, dpi=110)
-    return fig
-
-# %% ../nbs/17_benchmarks.ipynb #7ac54d48
-SPEC_PASSAGE = ("The Rhine rises in the Swiss Alps, flows north along the border of Germany and "
-                "France, and reaches the North Sea in the Netherlands. For centuries it carried "
-                "coal, grain and timber, and its valley holds some of the oldest vineyards of "
-                "Europe.")
-SPEC_TASKS = {'grounded': f'Here is a passage:\n"""\n{SPEC_PASSAGE}\n"""\nRepeat the passage.',
-              'open-ended': "Write a short story about a lighthouse keeper who finds a message in "
-                            "a bottle."}
-
-def best_greedy(peers: dict, prompt: list[int], max_tokens: int, repeats: int) -> tuple[dict, dict]:
-    "Each peer's best tok/s over `repeats` turns, interleaved, and its last tokens."
-    best, tokens = dict.fromkeys(peers, 0.0), {}
-    for _ in range(repeats):
-        for name, peer in peers.items():
-            start = time.perf_counter()
-            tokens[name] = peer.greedy(prompt, max_tokens)
-            best[name] = max(best[name], len(tokens[name]) / (time.perf_counter() - start))
-    return best, tokens
-
-def run_speculative_benchmark(model=None, speculative: str = 'ngram',
-                              num_speculative_tokens: int = 4, max_tokens: int = 64,
-                              repeats: int = 3, dtype='bfloat16', threads=None,
-                              tasks=None, llm_kwargs=None) -> dict:
-    "Batch-1 greedy tok/s per task: petite_llm speculating and not, and transformers beside them."
-    from petite_llm.speculative import speculative_config
-    path, dtype = real_model(model), as_dtype(dtype)
-    spec = speculative_config(speculative, num_speculative_tokens)
-    out = dict(model=path.name, dtype=dtype_name(dtype), speculative_config=spec,
-               max_tokens=max_tokens, repeats=repeats, torch=torch.__version__, tasks={})
-    with num_threads(threads) as out['threads']:
-        peers = {'off': PetitePeer(path, dtype, **(llm_kwargs or {})),
-                 'on': PetitePeer(path, dtype, speculative_config=spec, **(llm_kwargs or {})),
-                 'transformers': TransformersPeer(path, dtype)}
-        for task, text in (tasks or SPEC_TASKS).items():
-            prompt = peers['off'].llm._chat_ids([{'role': 'user', 'content': text}])
-            best, tokens = best_greedy(peers, prompt, max_tokens, repeats)
-            m = peers['on'].metrics
-            out['tasks'][task] = dict(
-                prompt_tokens=len(prompt), output_tokens=len(tokens['on']),
-                **{f'{name}_tok_s': v for name, v in best.items()},
-                speedup=best['on'] / best['off'],
-                on_vs_transformers=best['on'] / best['transformers'],
-                acceptance_rate=m.acceptance_rate, mean_accepted_tokens=m.mean_accepted_tokens,
-                same_tokens_as_off=tokens['on'] == tokens['off'])
-    return out
-
-def speculative_table(res: dict) -> str:
-    "The speculation run as a plain-text table."
-    k = res['speculative_config']['num_speculative_tokens']
-    lines = [f"{'task':10}  {'off':>6}  {'on':>6}  {'on/off':>6}  {'hf':>6}  {'on/hf':>6}  "
-             f"acceptance  tokens  same as off"]
-    for task, r in res['tasks'].items():
-        rate = '-' if r['acceptance_rate'] is None else f"{r['acceptance_rate']:.2f}"
-        lines.append(f"{task:10}  {r['off_tok_s']:6.1f}  {r['on_tok_s']:6.1f}  {r['speedup']:5.2f}x"
-                     f"  {r['transformers_tok_s']:6.1f}  {r['on_vs_transformers']:5.2f}x  "
-                     f"{rate:>10}  {r['output_tokens']:>6}  {r['same_tokens_as_off']}")
-    lines.append(f"{res['model']} · {res['dtype']} · {res['threads']} threads · "
-                 f"{res['speculative_config']['method']}, k={k} · tok/s, best of {res['repeats']}")
-    return '\n'.join(lines)
-
-# %% ../nbs/17_benchmarks.ipynb #866ab319
-def _add_real_model_arguments(parser: argparse.ArgumentParser):
-    "The options every real-weight workload takes."
-    a = parser.add_argument
-    a('--model', help='a folder or .gguf file (default: the SmolLM2-135M-Instruct GGUF shipped)')
-    a('--dtype', default='bfloat16', help='bfloat16 (default), float16, float32')
-    a('--threads', type=int,
-      help='torch threads for the whole run (default: torch.get_num_threads())')
-    a('--out', nargs='?', const='images', help='save the JSON into this folder (default images/)')
-
-def add_sweep_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    "Add the `petite-llm bench sweep` options to an argparse parser."
-    _add_real_model_arguments(parser)
-    a = parser.add_argument
-    a('--batch-sizes', default='1,4,8,16,32', help='batch sizes to run (default 1,4,8,16,32)')
-    a('--prompt-len', type=int, default=64, help='tokens in every prompt (default 64)')
-    a('--new-tokens', type=int, default=64, help='tokens every request generates (default 64)')
-    a('--repeats', type=int, default=2, help='best of this many runs per size (default 2)')
-    return parser
-
-def add_speculative_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    "Add the `petite-llm bench speculative` options to an argparse parser."
-    _add_real_model_arguments(parser)
-    a = parser.add_argument
-    a('--speculative', default='ngram', metavar='ngram|DRAFT',
-      help="'ngram' (prompt lookup, default) or a draft model's folder or .gguf file")
-    a('--num-speculative-tokens', type=int, default=4, metavar='K',
-      help='tokens proposed per step (default 4)')
-    a('--max-tokens', type=int, default=64, help='most tokens per answer (default 64)')
-    a('--repeats', type=int, default=3, help='best of this many turns (default 3)')
-    return parser
-
-def _report(res: dict, table: str, out, name: str, plot=None):
-    "A real-weight run's JSON on stdout, its table on stderr, the JSON (and picture) under out."
-    if out:
-        out = Path(out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out/f'{name}.json').write_text(json.dumps(res, indent=2))
-        if plot is not None:
-            plot(res, out/f'{name}.png')
-    print(table, file=sys.stderr)
-    print(json.dumps(res, indent=2))
-
-def run_sweep(args) -> dict:
-    "Run `petite-llm bench sweep` from parsed arguments; return the dict."
-    with contextlib.redirect_stdout(sys.stderr):
-        res = run_batch_sweep(args.model, tuple(int(b) for b in args.batch_sizes.split(',')),
-                              args.prompt_len, args.new_tokens, args.repeats, args.dtype,
-                              args.threads)
-    _report(res, sweep_table(res), args.out, 'bench_sweep', plot_sweep)
-    return res
-
-def run_speculative(args) -> dict:
-    "Run `petite-llm bench speculative` from parsed arguments; return the dict."
-    with contextlib.redirect_stdout(sys.stderr):
-        res = run_speculative_benchmark(args.model, args.speculative, args.num_speculative_tokens,
-                                        args.max_tokens, args.repeats, args.dtype, args.threads)
-    _report(res, speculative_table(res), args.out, 'bench_speculative')
-    return res

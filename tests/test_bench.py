@@ -7,9 +7,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from petite_llm.bench import (SHAPES, add_arguments, as_dtype, dtype_name, linear_shapes,
-                              make_random_checkpoint, make_requests, packed_linear_available, run,
-                              shape_config, weight_bytes)
+from petite_llm.bench import (add_arguments, linear_shapes, packed_linear_available, run,
+                              weight_bytes)
+from petite_llm.bench_peers import (SHAPES, as_dtype, dtype_name, make_random_checkpoint,
+                                    make_requests, shape_config)
 
 
 def _parse(*argv):
@@ -101,3 +102,69 @@ def test_dtypes_come_from_the_one_table():
             as_dtype(bad)
     with pytest.raises(ValueError, match='unknown dtype'):
         as_dtype('int3')
+
+
+class FakeDevice:
+    "An asynchronous device: launches queue work that runs only when the host waits for it."
+    def __init__(self):
+        self.now, self.queued = 0.0, 0.0
+
+    def clock(self) -> float:
+        return self.now                  # host code takes no time on this clock
+
+    def launch(self, seconds: float):
+        self.queued += seconds
+
+    def synchronize(self):
+        self.now, self.queued = self.now + self.queued, 0.0
+
+
+@pytest.fixture(scope='module')
+def tiny_engine_factory(tmp_path_factory):
+    from petite_llm.engine import LLM
+    from petite_llm.sampling import SamplingParams
+    path = make_random_checkpoint(tmp_path_factory.mktemp('ck'), shape='tiny', num_layers=1)
+
+    def make(device: FakeDevice):
+        "An engine whose forward queues 5 ms and whose lm_head queues 1 ms, then reads (waits)."
+        engine = LLM(str(path), dtype=torch.float32, device='cpu').engine
+        model = engine.runner.model
+        # the runner calls the decoder stack (model.model) for hidden states, then compute_logits
+        forward, compute_logits = model.model.forward, model.compute_logits
+
+        def queued_forward(*args, **kwargs):
+            out = forward(*args, **kwargs)
+            device.launch(0.005)
+            return out
+
+        def logits_then_read(hidden):
+            out = compute_logits(hidden)
+            device.launch(0.001)
+            device.synchronize()         # the sampler reads the logits: the host waits here
+            return out
+        model.model.forward, model.compute_logits = queued_forward, logits_then_read
+        engine.add_request(list(range(1, 9)),
+                           SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+        engine.step()                    # the prefill: what follows are decodes
+        return engine
+    return make
+
+
+def test_time_step_parts_charges_queued_work_to_the_part_that_queued_it(tiny_engine_factory):
+    from petite_llm.bench_profile import time_step_parts
+    device = FakeDevice()
+    step_ms, parts = time_step_parts(tiny_engine_factory(device), 3, device.clock,
+                                     device.synchronize)
+    assert parts['model forward'] == pytest.approx(5.0)
+    assert parts['lm_head and sampling'] == pytest.approx(1.0)
+    assert step_ms == pytest.approx(6.0)
+    assert all(parts[k] == pytest.approx(0.0, abs=1e-9) for k in parts if k.startswith('host'))
+
+
+def test_time_step_parts_without_synchronize_misplaces_the_forward(tiny_engine_factory):
+    "What a CPU clock around asynchronous launches reports: the forward costs nothing."
+    from petite_llm.bench_profile import time_step_parts
+    device = FakeDevice()
+    step_ms, parts = time_step_parts(tiny_engine_factory(device), 3, device.clock)
+    assert parts['model forward'] == 0.0 and parts['lm_head and sampling'] == pytest.approx(6.0)
+    assert step_ms == pytest.approx(6.0)

@@ -188,3 +188,107 @@ def test_export_resets_modules_that_no_notebook_creates():
         committed = (ROOT / 'petite_llm' / (name.replace('.', '/') + '.py')).read_text()
         assert committed.startswith(export.empty_module(name, notebook).split('# %% auto')[0])
         assert committed.count('\n# %% ../') == len(set(committed.split('\n# %% ../')[1:]))
+
+
+# --- tools/check_devices.py: chapters that reach Triton choose their device once -----------------
+import check_devices  # noqa: E402
+import chapter_models  # noqa: E402
+
+RESOLVER = "device = 'cuda' if torch.cuda.is_available() else 'cpu'"
+IMPORTS_TRITON = '#| export\nimport triton\nfrom petite_llm.backends import AttentionBackend'
+# chapter 13 before the fix (commit d74f020): a CPU default fed to a compiled kernel
+OLD_13_HELPER = ("def random_batch(seqs, block_size, num_heads, num_kv_heads, head_dim,\n"
+                 "                 dtype=torch.float32, seed=0, device='cpu'):\n"
+                 "    return torch.randn(3, device=device)")
+OLD_13_BACKENDS = ("args = (tables, done, new, block_size, 'cpu')\n"
+                   "out = TritonAttentionBackend(num_sms=64).forward(q, k, v, pool, md, 0.1)")
+# chapter 14 before the fix: the triton backend over a CPU model, a model copied to the CPU
+OLD_14_TRITON = ("eager = LLMEngine(tiny, attention_backend='triton', block_size=4,\n"
+                 "                  kv_cache_memory=2**20, enforce_eager=True)")
+OLD_14_COPY = "net = copy.deepcopy(tiny).to('cpu', dtype)"
+
+
+def devices_nb(*sources):
+    return {'cells': [code(s) for s in sources]}
+
+
+def test_check_devices_fails_on_the_old_chapters():
+    old_13 = check_devices.problems(devices_nb(IMPORTS_TRITON, OLD_13_HELPER, OLD_13_BACKENDS))
+    assert any('never chooses its device' in m for m in old_13)
+    assert sum("'cpu' hard-codes the CPU" in m for m in old_13) == 2
+    assert any('asks for the triton backend' in m for m in old_13)
+    old_14 = check_devices.problems(devices_nb(OLD_14_TRITON, OLD_14_COPY))
+    assert any('never chooses its device' in m for m in old_14)
+    assert any("cell 1 " in m and "'cpu'" in m for m in old_14)
+    assert any('cell 0 ' in m and 'asks for the triton backend' in m for m in old_14)
+
+
+def test_check_devices_passes_the_fixed_chapters():
+    new_13 = devices_nb(IMPORTS_TRITON, RESOLVER, OLD_13_HELPER.replace("'cpu'", 'device'),
+                        OLD_13_BACKENDS.replace("'cpu'", 'device'))
+    assert check_devices.problems(new_13) == []
+    new_14 = devices_nb(RESOLVER, OLD_14_TRITON.replace('(tiny,', '(tiny.to(device),'),
+                        OLD_14_COPY.replace("'cpu'", 'device'))
+    assert check_devices.problems(new_14) == []
+
+
+@pytest.mark.parametrize('src', [
+    "# stays on the CPU: asks about this CPU's bf16\nprint(native_bf16('cpu'))",
+    "x = f(1,\n      'cpu')  # stays on the CPU: the host copy",
+    "def f(d='cpu'):  # stays on the CPU: a host helper\n    return d",
+    "import torch\n# stays on the CPU: oneDNN's kernels are CPU kernels\nx = t.to('cpu')"])
+def test_check_devices_accepts_a_cpu_line_that_says_why(src):
+    assert check_devices.problems(devices_nb(IMPORTS_TRITON, RESOLVER, src)) == []
+
+
+@pytest.mark.parametrize('src', [
+    "x = t.cpu()", "y = torch.zeros(3, device='cpu')",
+    "# stays on the CPU:\nx = t.to('cpu')",                  # a reason is required
+    "z = 1\n# stays on the CPU: host\nw = 2\nx = t.to('cpu')",  # not the statement below it
+    "def f():  # stays on the CPU: host\n    return 1\ny = t.cpu()"])
+def test_check_devices_flags_an_unexplained_cpu_line(src):
+    found = check_devices.problems(devices_nb(IMPORTS_TRITON, RESOLVER, src))
+    assert len(found) == 1 and 'hard-codes the CPU' in found[0], found
+
+
+def test_check_devices_reads_only_cells_ci_runs_in_chapters_that_reach_triton():
+    flagged = ["#| gpu\nx = t.cpu()", "#| slow\nx = t.cpu()", "#| export\ndef f(d='cpu'): pass"]
+    assert check_devices.problems(devices_nb(IMPORTS_TRITON, RESOLVER, *flagged)) == []
+    # no Triton anywhere: the CPU is as good a device as any
+    assert check_devices.problems(devices_nb("x = t.to('cpu')")) == []
+    # the backend's name in an option list is not a request for it
+    choices = "#| export\np.add_argument('--attention-backend', choices=['torch', 'triton'])"
+    assert check_devices.problems(devices_nb(choices, "x = t.cpu()")) == []
+
+
+def test_check_devices_passes_chapter_13():
+    assert check_devices.problems(nbtools.read_nb(ROOT/'nbs'/'13_triton_kernels.ipynb')) == []
+
+
+# --- tools/chapter_models.py: which chapters load a real model -------------------------------
+
+
+def test_chapter_models_follows_the_package_to_the_model():
+    loaders = chapter_models.model_loaders()
+    assert {'smollm2_gguf_path', 'default_model', 'real_model', 'run_batch_sweep'} <= loaders
+    assert not {'LLM', 'load_model', 'make_random_checkpoint'} & loaders
+
+
+@pytest.mark.parametrize('sources,needs', [
+    (["from petite_llm.weights import smollm2_gguf_path\npath = smollm2_gguf_path()"], True),
+    (["model = os.environ.get('PETITE_LLM_MODEL') or default_model()"], True),
+    (["sweep = run_batch_sweep(batch_sizes=(1, 3))"], True),          # through the package
+    (["!petite-llm generate --max-tokens 4 hi", "res = main(['generate', 'hi'])"], True),
+    (["#| slow\npath = smollm2_gguf_path()", "x = 1"], False),        # the GPU session skips it
+    (["def run(steps):\n    return steps", "run(3)"], False),        # the chapter's own `run`
+    (["#| gpu\nllm = LLM(make_random_checkpoint(), device='cuda')"], False)])
+def test_chapter_models_reads_what_a_chapter_loads(sources, needs):
+    nb = {'cells': [code(s) for s in sources]}
+    assert chapter_models.needs_model(nb, chapter_models.model_loaders()) is needs
+
+
+def test_chapter_models_splits_the_book():
+    model, free = chapter_models.split_chapters()
+    assert sorted(model + free) == [p.stem for p in nbtools.chapters()]
+    assert {'06_weights', '17_benchmarks', '90_cli'} <= set(model)     # 90 asks SmolLM2 for Paris
+    assert {'01_rmsnorm', '13_triton_kernels'} <= set(free)
