@@ -68,6 +68,9 @@ class LLMEngine:
                                          sizes.max_model_len)
         self.runner = ModelRunner(model, sizes.num_blocks, config.block_size, self.eos_token_ids,
                                   self._attention_backend(), compiled, self.speculator)
+        if (not config.enforce_eager and self.runner.device.type == 'cuda'
+                and self.runner.backend.supports_cuda_graphs):
+            self.runner.capture_cuda_graphs(config.num_seqs, sizes.max_model_len)
         self._log_start(sizes)
         self.output_processor = OutputProcessor(tokenizer, self.scheduler)
         self._request_ids, self._seq_ids = itertools.count(), itertools.count()
@@ -81,14 +84,11 @@ class LLMEngine:
                                      next(self.model.parameters()).device)
 
     def _log_start(self, sizes: EngineSizes):
-        "Record the CUDA graphs where they apply, and log what the engine chose."
+        "Log what the engine chose: the KV pool, the attention backend, graphs, compiling."
         config, runner = self.config, self.runner
         logger.info("KV cache: %d blocks of %d tokens = %d tokens, %.1f MiB (%s); max_model_len=%d",
                     sizes.num_blocks, config.block_size, sizes.num_blocks * config.block_size,
                     sizes.kv_cache_memory / 2**20, sizes.source, sizes.max_model_len)
-        if (not config.enforce_eager and runner.device.type == 'cuda'
-                and runner.backend.supports_cuda_graphs):
-            runner.capture_cuda_graphs(config.num_seqs, sizes.max_model_len)
         graphs = runner.cuda_graphs
         logger.info("attention backend: %s; decode steps %s", runner.backend.name,
                     f"replay CUDA graphs for batch sizes {graphs.batch_sizes}"
