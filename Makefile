@@ -101,7 +101,7 @@ test: setup chromium
 	@echo "== $$(date -u +%T) nbdev_test: every notebook, cells flagged slow/gpu skipped"
 	$(INTERPRET_TRITON) $(BIN)/nbdev_test
 	@echo "== $$(date -u +%T) pytest (not slow)"
-	$(PY) -m pytest -m "not slow" tests || { rc=$$?; \
+	$(PY) -m pytest -rs -m "not slow" tests || { rc=$$?; \
 	  if [ $$rc = 5 ]; then echo "pytest collected no test: that is a failure"; fi; exit $$rc; }
 	@echo "== $$(date -u +%T) README.md in sync with nbs/index.ipynb"
 	$(PY) tools/make_readme.py --check

@@ -94,6 +94,10 @@ class AttentionBackend:
         "q [T, nh, hd], k/v [T, nkv, hd] -> [T, nh, hd]: store k and v in their slots, then attend."
         raise NotImplementedError
 
+    def model_body(self, model: torch.nn.Module) -> torch.nn.Module:
+        "The module the runner calls for hidden states: model.model, unless a backend fuses it."
+        return model.model
+
 # %% ../nbs/11_paged_blocks.ipynb #87633e33
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slot_mapping: torch.Tensor):

@@ -48,6 +48,8 @@ class ModelRunner:
         self.compiled = compiled          # the model under torch.compile (CPU), or None
         self.speculator = speculator      # chapter 15's Speculator, for steps that verify drafts
         self.cuda_graphs: CUDAGraphs | None = None    # recorded by capture_cuda_graphs
+        # what forward calls: model.model, or a backend's fused body sharing its parameters
+        self.body = self.backend.model_body(model)
 
     def prepare(self, scheduled: SchedulerOutput):
         "The flat batch: input_ids [T], positions [T], AttentionMetadata, logits_indices [R]."
@@ -67,7 +69,7 @@ class ModelRunner:
             layer.kv_cache = kv_cache
         if self.compiled is not None:
             return run_compiled(self.compiled, input_ids, positions, attn_metadata)
-        return self.model.model(input_ids, positions, attn_metadata)
+        return self.body(input_ids, positions, attn_metadata)
 
     @torch.inference_mode()
     def capture_cuda_graphs(self, max_num_seqs: int, max_model_len: int,
