@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 # %% auto 0
-__all__ = ['AsyncLLMEngine']
+__all__ = ['StreamBacklogError', 'AsyncLLMEngine']
 
 # %% ../nbs/16_server.ipynb #f403bd69
 import asyncio
 import concurrent.futures
 import queue
 import threading
+import time
 from typing import AsyncIterator
 
 from .engine import LLMEngine
@@ -17,18 +18,44 @@ from .outputs import RequestOutput, merge_outputs
 from .sampling import SamplingParams
 
 # %% ../nbs/16_server.ipynb #fa084726
+class StreamBacklogError(RuntimeError):
+    "A stream's reader left too many tokens unread, or for too long: its request was aborted."
+
 class _Slot:
     "One request's outputs on their way to its consumer: what is unread, merged, and an Event."
-    def __init__(self, loop: asyncio.AbstractEventLoop):
+    def __init__(self, loop: asyncio.AbstractEventLoop, max_unread_tokens: int | None = None,
+                 max_unread_seconds: float | None = None):
         self.loop = loop
         self.unread: RequestOutput | None = None   # merged outputs the consumer has not taken
         self.error: BaseException | None = None    # set if the engine fails or shuts down
         self.ready = asyncio.Event()               # set when unread or error is
+        self.max_unread_tokens, self.max_unread_seconds = max_unread_tokens, max_unread_seconds
+        self.unread_tokens, self.unread_since = 0, None     # of what is unread: tokens, since when
+        self.overflow = None                       # the engine sets it: aborts the request
 
     def put(self, out: RequestOutput):
         "In the event loop: merge an output into what is unread, and wake the consumer."
+        if isinstance(self.error, StreamBacklogError):
+            return                                 # aborted; these outputs were on their way
+        self.unread_tokens += sum(len(c.delta_token_ids) for c in out.outputs)   # before merging
         self.unread = out if self.unread is None else merge_outputs(self.unread, out)
+        if self.unread_since is None:
+            self.unread_since = time.monotonic()
+        if not out.finished and self._backlogged():
+            self.error = StreamBacklogError(
+                f"the reader left {self.unread_tokens} tokens unread for "
+                f"{time.monotonic() - self.unread_since:.1f} s (the limits: "
+                f"{self.max_unread_tokens} tokens, {self.max_unread_seconds} s), so the request "
+                "was aborted to free its KV blocks; read the stream as it comes")
+            self.unread = None                     # nobody will read it now
+            self.overflow()
         self.ready.set()
+
+    def _backlogged(self) -> bool:
+        "Whether what is unread is over either limit."
+        tokens, waited = self.unread_tokens, time.monotonic() - self.unread_since
+        return ((self.max_unread_tokens is not None and tokens > self.max_unread_tokens) or
+                (self.max_unread_seconds is not None and waited > self.max_unread_seconds))
 
     def fail(self, error: BaseException):
         "In the event loop: make the consumer's next take() raise error."
@@ -39,6 +66,7 @@ class _Slot:
         "Wait for the next output: everything the request gained since the last take, as one."
         await self.ready.wait()
         out, self.unread = self.unread, None
+        self.unread_tokens, self.unread_since = 0, None
         if out is None:
             raise self.error
         if self.error is None:
@@ -135,6 +163,7 @@ class AsyncLLMEngine:
         "Engine thread: add the request (a ValueError goes to the caller) and open its slot."
         request_id = self.engine.add_request(prompt, params, priority, request_id)
         self._slots[request_id] = slot
+        slot.overflow = lambda: self._abort_quietly(request_id)    # a reader too far behind
         return request_id
 
     def _abort(self, request_id: str, report: bool) -> bool:
@@ -161,9 +190,10 @@ class AsyncLLMEngine:
 
     async def generate(self, prompt: str | list[int], sampling_params: SamplingParams | None = None,
                        request_id: str | None = None,
-                       priority: int = 0) -> AsyncIterator[RequestOutput]:
+                       priority: int = 0, max_unread_tokens: int | None = None,
+                       max_unread_seconds: float | None = None) -> AsyncIterator[RequestOutput]:
         "Stream one request's outputs, each with what is new; stopping early aborts the request."
-        slot = _Slot(asyncio.get_running_loop())
+        slot = _Slot(asyncio.get_running_loop(), max_unread_tokens, max_unread_seconds)
         future = self._submit(self._add, prompt, sampling_params, priority, request_id, slot)
         try:
             request_id = await asyncio.wrap_future(future)   # add_request's ValueError rises here

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 # %% auto 0
-__all__ = ['free_port', 'word_ids', 'LoadRequest', 'make_load', 'poisson_arrivals', 'RequestResult', 'exact_length_body', 'stream_request', 'run_load', 'latency_stats', 'summarize', 'ServerFailed', 'running_server', 'server_command', 'serve_ratios', 'run_serve_benchmark', 'add_arguments', 'run']
+__all__ = ['free_port', 'word_ids', 'LoadRequest', 'make_load', 'poisson_arrivals', 'RequestResult', 'exact_length_body', 'stream_request', 'run_load', 'latency_stats', 'summarize', 'ServerFailed', 'running_server', 'server_command', 'serve_ratios', 'run_serve_benchmark', 'run_soak_benchmark', 'add_arguments', 'run']
 
 # %% ../nbs/16_server.ipynb #e87f90f0
 import socket
@@ -33,6 +33,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+
+from .bench_soak import soak, soak_report
 
 # %% ../nbs/16_server.ipynb #27823967
 def word_ids(tokenizer, limit: int = 10_000) -> list[int]:
@@ -354,6 +356,36 @@ def run_serve_benchmark(model=None, base_url: str | None = None,
     res['ratios'] = serve_ratios(res)
     return res
 
+# %% ../nbs/16_server.ipynb #c7f552da
+def run_soak_benchmark(args) -> dict:
+    "`bench serve --soak`: the soak against --base-url, or against a petite_llm server it starts."
+    from petite_llm.config import resolve_device
+    from petite_llm.tokenizer import Tokenizer
+    from petite_llm.weights import resolve_model_path, smollm2_gguf_path
+    model = args.model or os.environ.get('PETITE_LLM_MODEL') or smollm2_gguf_path()
+    path = resolve_model_path(model)
+    load = make_load(Tokenizer.from_pretrained(path), args.requests, args.min_len, args.max_len,
+                     args.seed)
+    api_key = args.api_key or os.environ.get('PETITE_LLM_API_KEY')
+
+    def measure(url: str, name: str) -> dict:
+        run = asyncio.run(soak(url, name, load, args.soak, args.soak_rate, args.soak_faults,
+                               api_key=api_key, seed=args.seed))
+        return dict(model=str(model), seconds=args.soak, rate=args.soak_rate,
+                    fault_share=args.soak_faults, **soak_report(run))
+
+    if args.base_url:
+        url = args.base_url.rstrip('/')
+        return measure(url, args.served_model_name or _first_model(url, api_key))
+    port = free_port()
+    # float32 unless told: the lone answers are greedy, and must not hinge on bf16 rounding
+    command, name = server_command('petite_llm', path, port, args.dtype or 'float32',
+                                   str(resolve_device(args.device)))
+    env = dict(os.environ, **({'OMP_NUM_THREADS': str(args.threads)} if args.threads else {}))
+    log = Path(tempfile.mkdtemp(prefix='petite-llm-soak-')) / 'petite_llm.log'
+    with running_server(command, port, log, env=env) as url:
+        return dict(measure(url, name), log=str(log))
+
 # %% ../nbs/16_server.ipynb #18a03f75
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     "Add the `petite-llm bench serve` options to an argparse parser."
@@ -379,6 +411,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     a('--threads', type=int, help="each server's torch threads (default: torch's, one per core)")
     a('--transformers-args', default='', metavar='ARGS',
       help="more options for transformers serve, e.g. '--continuous-batching'")
+    a('--soak', type=float, metavar='SECONDS',
+      help="instead of the load test: a soak with faults for SECONDS against petite_llm's server "
+           '(or --base-url), its requests drawn from --requests prompts of --min-len..--max-len')
+    a('--soak-rate', type=float, default=4.0, help='soak: arrivals per second (default 4)')
+    a('--soak-faults', type=float, default=0.3,
+      help='soak: the share of requests that are faults: hang-ups, bad input, timeouts (0.3)')
     a('--out', nargs='?', const='images',
       help='also write bench_serve.json into this folder (default images/)')
     return parser
@@ -386,7 +424,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 def run(args) -> dict:
     "Run `petite-llm bench serve` from parsed arguments: JSON on stdout, --out file; the dict."
     with contextlib.redirect_stdout(sys.stderr):      # keep stdout pure JSON
-        res = run_serve_benchmark(
+        res = run_soak_benchmark(args) if args.soak else run_serve_benchmark(
             model=args.model, base_url=args.base_url, served_model_name=args.served_model_name,
             api_key=args.api_key or os.environ.get('PETITE_LLM_API_KEY'),
             requests=args.requests, rate=args.request_rate,

@@ -14,6 +14,7 @@ from .cli_explain import explain, xray_lines
 from .cli_runner import (Runner, add_model_args, add_sampling_args, default_model,
                                    engine_config, sampling_params)
 from .cli_top import cmd_top
+from .server_limits import add_limit_args, limits_from_args
 
 # %% auto #0
 __all__ = ['DIM', 'RESET', 'cmd_generate', 'ThinkDisplay', 'cmd_chat', 'cmd_serve', 'bench_modes', 'cmd_bench', 'build_parser',
@@ -166,6 +167,7 @@ def cmd_serve(args, parser) -> int:
     "petite-llm serve: an OpenAI-compatible HTTP server (chapter 16) run by uvicorn."
     if args.no_cache:
         parser.error("serve runs the engine: --no-cache does not apply")
+    limits = limits_from_args(args)       # a bad limit is an error before the model loads
     import uvicorn
     from petite_llm.engine import LLMEngine
     from petite_llm.async_engine import AsyncLLMEngine
@@ -175,7 +177,7 @@ def cmd_serve(args, parser) -> int:
     engine = AsyncLLMEngine(LLMEngine.from_pretrained(model, config=config))
     name = args.served_model_name or str(model)
     api_key = args.api_key or os.environ.get('PETITE_LLM_API_KEY')
-    app = build_app(engine, name, api_key)
+    app = build_app(engine, name, api_key, limits)
     print(f"petite-llm serve: {name} on http://{args.host}:{args.port}/v1 ({config.device}); "
           "Ctrl-C stops", file=sys.stderr)
     try:
@@ -285,6 +287,8 @@ def _add_serve(sub):
     s.add_argument('--log-level', default='info',
                    choices=['critical', 'error', 'warning', 'info', 'debug'],
                    help="uvicorn's log level (default info)")
+    add_limit_args(s.add_argument_group('limits', "what one request may ask (chapter 16); past "
+                                                   'a limit it gets a 4xx before any work'))
     add_model_args(s)
     s.set_defaults(func=cmd_serve, parser=s)
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 # %% auto 0
-__all__ = ['APIError', 'error_response', 'validation_message', 'CompletionRequest', 'ChatRequest', 'TokenizeRequest', 'DetokenizeRequest', 'request_sampling_params']
+__all__ = ['CHAT_ROLES', 'APIError', 'error_response', 'validation_message', 'CompletionRequest', 'ChatRequest', 'TokenizeRequest', 'DetokenizeRequest', 'request_sampling_params', 'chat_messages']
 
 # %% ../nbs/16_server.ipynb #dfc7eecb
 from fastapi.exceptions import RequestValidationError
@@ -115,3 +115,14 @@ def request_sampling_params(req: _Request, prompt_len: int, max_model_len: int,
     except ValueError as e:
         param = str(e).split('.')[1].split(' ')[0] if str(e).startswith('SamplingParams.') else None
         raise APIError(400, str(e), param=param) from None
+
+# %% ../nbs/16_server.ipynb #77325284
+CHAT_ROLES = ('system', 'user', 'assistant', 'tool', 'developer')
+
+def chat_messages(messages: list[dict]) -> list[dict]:
+    "The messages for the template: each role checked (400 if unknown), developer passed as system."
+    for i, message in enumerate(messages):
+        if message.get('role') not in CHAT_ROLES:
+            raise APIError(400, f"messages[{i}] has role {message.get('role')!r}; a message's role "
+                                f"is one of {', '.join(CHAT_ROLES)}", param=f'messages[{i}].role')
+    return [{**m, 'role': 'system'} if m['role'] == 'developer' else m for m in messages]

@@ -13,73 +13,21 @@ from contextlib import aclosing
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import PlainTextResponse, StreamingResponse
-from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram,
-                               generate_latest)
+from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from . import __version__
-from .async_engine import AsyncLLMEngine
-from .outputs import RequestOutput
+from .async_engine import AsyncLLMEngine, StreamBacklogError
 from .protocol import (APIError, ChatRequest, CompletionRequest, DetokenizeRequest,
-                                 TokenizeRequest, error_response, request_sampling_params,
-                                 validation_message)
+                                 TokenizeRequest, chat_messages, error_response,
+                                 request_sampling_params, validation_message)
 from .sampling import SamplingParams
+from .server_limits import BodyLimit, ServerLimits, guarded_tokenizer
+from .server_metrics import ServerMetrics
 from .tokenizer import ThinkSplitter, split_reasoning, think_and_answer
 
 # %% auto #0
-__all__ = ['ServerMetrics', 'create_completion', 'create_chat_completion', 'build_app']
-
-# %% ../nbs/16_server.ipynb #111532c4
-_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
-
-class ServerMetrics:
-    "The server's Prometheus metrics, in a registry of its own (two apps never share one)."
-    def __init__(self):
-        self.registry = r = CollectorRegistry()
-        p = 'petite_llm:'
-        self.running = Gauge(p + 'num_requests_running', 'Requests running', registry=r)
-        self.waiting = Gauge(p + 'num_requests_waiting', 'Requests waiting', registry=r)
-        self.kv_usage = Gauge(p + 'kv_cache_usage_perc', 'Fraction of KV blocks used (0-1)',
-                              registry=r)
-        self.hit_rate = Gauge(p + 'prefix_cache_hit_rate', 'Prefix cache hit rate (0-1)',
-                              registry=r)
-        self.preemptions = Counter(p + 'num_preemptions', 'Preemptions', registry=r)
-        self.prompt_tokens = Counter(p + 'prompt_tokens', 'Prompt tokens of finished requests',
-                                     registry=r)
-        self.generation_tokens = Counter(p + 'generation_tokens',
-                                         'Generated tokens of finished requests', registry=r)
-        self.ttft = Histogram(p + 'time_to_first_token_seconds', 'Time to first token',
-                              buckets=_BUCKETS, registry=r)
-        self.tpot = Histogram(p + 'time_per_output_token_seconds', 'Time per output token',
-                              buckets=_BUCKETS, registry=r)
-        self.e2e = Histogram(p + 'e2e_request_latency_seconds', 'Arrival to finish',
-                             buckets=_BUCKETS, registry=r)
-        self._preemptions_seen = 0
-
-    def observe(self, out: RequestOutput):
-        "Count a finished request's tokens and record its latencies."
-        self.prompt_tokens.inc(len(out.prompt_token_ids))
-        self.generation_tokens.inc(sum(len(c.token_ids) for c in out.outputs))
-        m = out.metrics
-        if m.time_to_first_token is not None:
-            self.ttft.observe(m.time_to_first_token)
-        if m.time_per_output_token is not None:
-            self.tpot.observe(m.time_per_output_token)
-        if m.finished_time is not None:
-            self.e2e.observe(m.finished_time - m.arrival_time)
-
-    def update(self, stats):
-        "Set the gauges from the engine's stats (EngineStats) at scrape time."
-        self.running.set(stats.num_running)
-        self.waiting.set(stats.num_waiting)
-        self.kv_usage.set(stats.kv_cache_usage)
-        self.hit_rate.set(stats.prefix_cache_hit_rate)
-        self.preemptions.inc(max(stats.num_preemptions - self._preemptions_seen, 0))
-        self._preemptions_seen = max(stats.num_preemptions, self._preemptions_seen)
-
-    def render(self) -> bytes:
-        "The Prometheus text format."
-        return generate_latest(self.registry)
+__all__ = ['create_completion', 'create_chat_completion', 'build_app']
 
 # %% ../nbs/16_server.ipynb #1f5a4446
 def _content_text(content) -> str:
@@ -97,11 +45,14 @@ def _sse(payload) -> str:
     return f"data: {json.dumps(payload)}\n\n"
 
 class _Server:
-    "What build_app's routes share: the engine, its tokenizer, the model's name, the metrics."
-    def __init__(self, engine: AsyncLLMEngine, served_model_name: str):
+    "What build_app's routes share: engine, tokenizer (guarded), model name, limits, metrics."
+    def __init__(self, engine: AsyncLLMEngine, served_model_name: str, limits: ServerLimits):
         self.engine, self.llm = engine, engine.engine
-        self.tokenizer, self.name = engine.engine.tokenizer, served_model_name
+        self.name, self.limits = served_model_name, limits
         self.max_model_len = engine.engine.max_model_len
+        self.tokenizer = engine.engine.tokenizer
+        if self.tokenizer is not None:
+            self.tokenizer = guarded_tokenizer(self.tokenizer, self.max_model_len)
         self.metrics = ServerMetrics()
 
     def check_model(self, model: str | None):
@@ -110,20 +61,24 @@ class _Server:
             raise APIError(404, f"The model `{model}` does not exist.", 'NotFoundError',
                            'model', 'model_not_found')
 
-    def encode(self, prompt) -> list[int]:
-        "A completion prompt's token ids (text gets the tokenizer's special tokens)."
+    async def encode(self, prompt, add_special_tokens: bool = True) -> list[int]:
+        "A prompt's token ids (text: tokenized in a worker thread, after the character bound)."
         try:
-            return self.llm.encode(prompt)
+            if isinstance(prompt, str) and self.tokenizer is not None:
+                return await asyncio.to_thread(self.tokenizer.encode, prompt, add_special_tokens)
+            return self.llm.encode(prompt)    # token ids, checked against the vocabulary
         except ValueError as e:
             raise APIError(400, str(e), param='prompt') from None
 
-    def chat_ids(self, messages: list[dict], template_kwargs: dict | None) -> list[int]:
+    async def chat_ids(self, messages: list[dict], template_kwargs: dict | None) -> list[int]:
         "A conversation's token ids under the chat template, ready for the reply."
         if self.tokenizer is None:
             raise APIError(400, "this model has no tokenizer, hence no chat template")
-        messages = [{**m, 'content': _content_text(m.get('content'))} for m in messages]
+        messages = [{**m, 'content': _content_text(m.get('content'))}
+                    for m in chat_messages(messages)]
         try:
-            return self.tokenizer.chat_ids(messages, **(template_kwargs or {}))
+            return await asyncio.to_thread(self.tokenizer.chat_ids, messages,
+                                           **(template_kwargs or {}))
         except ValueError as e:               # the template's raise_exception, a bad role ...
             raise APIError(400, str(e), param='messages') from None
         except TypeError as e:                # a template kwarg that names one of chat_ids' own
@@ -135,7 +90,9 @@ class _Server:
 
     async def outputs(self, ids: list[int], params: SamplingParams, request_id: str):
         "The engine's outputs for one prompt; a finished request goes to the metrics."
-        gen = self.engine.generate(ids, params, request_id)
+        gen = self.engine.generate(ids, params, request_id,
+                                   max_unread_tokens=self.limits.stream_backlog_tokens,
+                                   max_unread_seconds=self.limits.stream_backlog_seconds)
         try:
             async for out in gen:
                 if out.finished:
@@ -226,7 +183,12 @@ async def _sse_events(head: dict, include_usage: bool, prompt_tokens: int, strea
                         done.add(c.index)
                 if out.finished:
                     break
-                out = await stream.__anext__()
+                try:
+                    out = await stream.__anext__()
+                except StreamBacklogError as e:     # the client reads too slowly: aborted
+                    yield _sse({'error': dict(message=str(e), type='invalid_request_error',
+                                              param=None, code='stream_backlog_exceeded')})
+                    return
         k += 1
     if include_usage:
         yield chunk([], usage=_usage(prompt_tokens, completion_tokens))
@@ -240,9 +202,9 @@ async def create_completion(server: _Server, req: CompletionRequest):
         prompts = [prompts]
     if not prompts:
         raise APIError(400, "prompt must not be empty", param='prompt')
-    if req.logprobs is not None and req.logprobs < 0:
-        raise APIError(400, f"logprobs must be >= 0, got {req.logprobs}", param='logprobs')
-    ids = [server.encode(p) for p in prompts]
+    server.limits.check_n(req.n)
+    server.limits.check_logprobs(req.logprobs, 'logprobs')
+    ids = [await server.encode(p) for p in prompts]
     params = [request_sampling_params(req, len(i), server.max_model_len, req.max_tokens,
                                       req.logprobs)
               for i in ids]
@@ -309,13 +271,12 @@ def _chat_delta(splitter: ThinkSplitter, c) -> dict:
 async def create_chat_completion(server: _Server, req: ChatRequest):
     "POST /v1/chat/completions: n replies to one conversation; Qwen3's thinking split off."
     server.check_model(req.model)
-    if req.top_logprobs is not None and not 0 <= req.top_logprobs <= 20:
-        raise APIError(400, f"top_logprobs must be in [0, 20], got {req.top_logprobs}",
-                       param='top_logprobs')
+    server.limits.check_n(req.n)
+    server.limits.check_logprobs(req.top_logprobs, 'top_logprobs')
     if req.top_logprobs and not req.logprobs:
         raise APIError(400, "top_logprobs needs logprobs=true", param='top_logprobs')
     k = (req.top_logprobs or 0) if req.logprobs else None
-    ids = server.chat_ids(req.messages, req.chat_template_kwargs)
+    ids = await server.chat_ids(req.messages, req.chat_template_kwargs)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None \
         else req.max_tokens
     params = request_sampling_params(req, len(ids), server.max_model_len, max_tokens, k,
@@ -415,10 +376,9 @@ def _add_model_routes(app: FastAPI, server: _Server, guarded: list):
     async def tokenize(req: TokenizeRequest):
         server.check_model(req.model)
         if req.messages is not None:
-            tokens = server.chat_ids(req.messages, None)
+            tokens = await server.chat_ids(req.messages, None)
         elif req.prompt is not None:
-            tokens = server.llm.encode(req.prompt) if req.add_special_tokens \
-                else server.tokenizer.encode(req.prompt)
+            tokens = await server.encode(req.prompt, req.add_special_tokens)
         else:
             raise APIError(400, 'give a prompt or messages', param='prompt')
         return dict(tokens=tokens, count=len(tokens), max_model_len=server.max_model_len)
@@ -428,11 +388,13 @@ def _add_model_routes(app: FastAPI, server: _Server, guarded: list):
         server.check_model(req.model)
         return dict(prompt=server.tokenizer.decode(req.tokens))
 
-def build_app(engine: AsyncLLMEngine, served_model_name: str,
-              api_key: str | None = None) -> FastAPI:
+def build_app(engine: AsyncLLMEngine, served_model_name: str, api_key: str | None = None,
+              limits: ServerLimits | None = None) -> FastAPI:
     "An OpenAI-compatible FastAPI app serving one AsyncLLMEngine under served_model_name."
+    limits = limits or ServerLimits()
     app = FastAPI(title='petite_llm', version=__version__)
-    server = app.state.server = _Server(engine, served_model_name)
+    app.add_middleware(BodyLimit, max_bytes=limits.max_body_bytes)
+    server = app.state.server = _Server(engine, served_model_name, limits)
     _add_error_handlers(app)
     guarded = [Depends(_key_check(api_key))]
     _add_status_routes(app, server, guarded)

@@ -158,6 +158,20 @@ def test_bench_serve_starts_measures_and_stops_its_server(tmp_path_factory, tmp_
     assert time.monotonic() - started < 300
 
 
+def test_bench_serve_soak_starts_a_server_soaks_it_and_reports(tmp_path_factory, capsys):
+    "`--soak`: the figures of a short soak with faults against a server it starts (float32)."
+    path = _checkpoint(tmp_path_factory)
+    res = _bench_serve(capsys, "--model", path, "--soak", 6, "--soak-rate", 6, "--requests", 4,
+                       "--min-len", 4, "--max-len", 12, "--device", "cpu", "--threads", 1)
+    assert res["problems"] == [] and res["served"] == res["well_formed"] > 0
+    assert res["requests"] == res["well_formed"] + sum(res["faults"].values())
+    assert res["metrics_after"] == {"num_requests_running": 0, "num_requests_waiting": 0,
+                                    "kv_cache_usage_perc": 0}
+    assert 0 < res["memory_mib"]["warm"] <= res["memory_mib"]["peak"]
+    assert 0 < res["latency_ms"]["p50"] <= res["latency_ms"]["p99"]
+    shutil.rmtree(Path(res["log"]).parent)
+
+
 def test_bench_serve_bad_values_fail_before_any_server_starts(capsys):
     for args, message in [(["--request-rate", "0"], "request rate must be > 0"),
                           (["--max-concurrency", "0"], "max_concurrency must be at least 1"),

@@ -103,6 +103,19 @@ def test_engine_config():
                                             num_speculative_tokens=4)
 
 
+def test_serve_limit_flags():
+    "`petite-llm serve` takes chapter 16's limits; a bad one is a clear error, not a server."
+    from petite_llm.server_limits import ServerLimits, limits_from_args
+    parse = build_parser().parse_args
+    assert limits_from_args(parse(['serve'])) == ServerLimits()
+    limits = limits_from_args(parse(['serve', '--max-n', '4', '--max-logprobs', '5']))
+    assert (limits.max_n, limits.max_logprobs) == (4, 5)
+    err = io.StringIO()
+    with redirect_stderr(err):
+        assert main(['serve', 'no-such-model', '--max-n', '0']) == 1
+    assert 'max_n must be > 0' in err.getvalue()
+
+
 def test_speculative_flag_keeps_greedy_text():
     "--speculative ngram on the real model: the same greedy text; a bad k is a clear error."
     prompt = ['generate', '--temperature', '0', '--max-tokens', '24',

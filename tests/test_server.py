@@ -17,7 +17,7 @@ import transformers
 
 from petite_llm.engine import LLM, LLMEngine
 from petite_llm.sampling import SamplingParams
-from petite_llm.async_engine import AsyncLLMEngine
+from petite_llm.async_engine import AsyncLLMEngine, StreamBacklogError
 
 VOCAB, EOS = 300, 2
 
@@ -171,6 +171,44 @@ def test_leaving_early_aborts_and_frees_blocks(model):
     assert outs[-1].finished and outs[-1].finish_reason == 'abort' and len(outs[-1].token_ids) < 100
     assert stats.kv_blocks_used == 0
     assert after[-1].token_ids == want.token_ids
+
+
+def test_a_reader_too_far_behind_is_aborted_and_the_others_go_on(model):
+    """Past max_unread_tokens or max_unread_seconds of unread output, a stream's request is aborted
+    (blocks freed) and its next take raises; a request that finishes within the bound is whole."""
+    long = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)
+    prompt, sp = _prompts(1, seed=4)[0], SamplingParams(temperature=0, max_tokens=12)
+    want = _alone(model, [prompt], [sp])[0]
+
+    async def left_unread(engine, **bounds):
+        "Take one output, wait until the engine has let the request go, take again."
+        stream = engine.generate([5, 6, 7], long, **bounds)
+        async with aclosing(stream):
+            await anext(stream)
+            while (await engine.get_stats()).num_running:
+                await asyncio.sleep(0.01)
+            return await anext(stream)
+
+    async def main():
+        async with _engine(model) as engine:
+            errors = []
+            for bounds in (dict(max_unread_tokens=8), dict(max_unread_seconds=0.01)):
+                reader = asyncio.create_task(left_unread(engine, **bounds))
+                beside = await _read(engine, prompt, sp)
+                with pytest.raises(StreamBacklogError) as e:
+                    await reader
+                errors.append(str(e.value))
+                assert _joined(beside) == want.token_ids
+                assert (await _until_idle(engine)).kv_blocks_used == 0
+            # unread until it finished: under the bound while it ran, so it is whole
+            stream = engine.generate(prompt, sp, max_unread_tokens=len(want.token_ids))
+            first = await anext(stream)
+            await _until_idle(engine)
+            return errors, [first] + [out async for out in stream]
+
+    errors, outs = run(main())
+    assert "tokens unread" in errors[0] and "read the stream as it comes" in errors[1]
+    assert outs[-1].finished and _joined(outs) == want.token_ids
 
 
 def test_errors_reach_the_caller_and_the_engine_goes_on(model):

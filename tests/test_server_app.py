@@ -7,6 +7,7 @@ from types import SimpleNamespace
 import pytest
 from fastapi.testclient import TestClient
 
+from petite_llm.async_engine import StreamBacklogError
 from petite_llm.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from petite_llm.server import build_app
 
@@ -15,6 +16,9 @@ CONV = [{"role": "user", "content": "What is the capital of France?"}]
 
 class ScriptedTokenizer:
     "Enough of a tokenizer for the chat route: any conversation is three tokens."
+    # not byte-level: the server finds no character bound for its prompts (and needs none)
+    backend = SimpleNamespace(normalizer=None, pre_tokenizer=None)
+
     def chat_ids(self, messages, tools=None, enable_thinking=None, **template_kwargs):
         if messages[-1]["role"] not in ("user", "assistant"):
             # as Tokenizer.chat_ids reports a template's raise_exception
@@ -28,7 +32,7 @@ class ScriptedEngine:
         self.deltas, self.is_running = deltas, running
         self.engine = SimpleNamespace(tokenizer=ScriptedTokenizer(), max_model_len=64)
 
-    async def generate(self, ids, params, request_id=None):
+    async def generate(self, ids, params, request_id=None, **stream_limits):
         text, tokens = "", []
         for i, delta in enumerate(self.deltas):
             last = i == len(self.deltas) - 1
@@ -80,10 +84,21 @@ def test_chat_returns_reasoning_apart_whole_and_streamed(deltas, reasoning, cont
 
 def test_a_failing_chat_template_is_a_400_on_messages():
     r = _client(["x"]).post("/v1/chat/completions",
-                            json={"model": "m", "messages": [{"role": "robot", "content": "hi"}]})
+                            json={"model": "m", "messages": [{"role": "tool", "content": "42"}]})
     error = r.json()["error"]
     assert r.status_code == 400 and error["param"] == "messages"
-    assert error["message"] == "the chat template failed: unknown role robot"
+    assert error["message"] == "the chat template failed: unknown role tool"
+
+
+def test_an_unknown_role_is_a_400_naming_the_roles():
+    "Refused before the template, which might skip the message and answer another conversation."
+    r = _client(["x"]).post("/v1/chat/completions",
+                            json={"model": "m", "messages": [{"role": "user", "content": "hi"},
+                                                             {"role": "wizard", "content": "!"}]})
+    error = r.json()["error"]
+    assert r.status_code == 400 and error["param"] == "messages[1].role"
+    assert "'wizard'" in error["message"]
+    assert "system, user, assistant, tool, developer" in error["message"]
 
 
 def test_chat_template_kwargs_cannot_replace_the_messages():
@@ -94,3 +109,23 @@ def test_chat_template_kwargs_cannot_replace_the_messages():
     error = r.json()["error"]
     assert r.status_code == 400 and error["param"] == "chat_template_kwargs"
     assert "messages" in error["message"]
+
+
+class LaggingEngine(ScriptedEngine):
+    "A stream whose reader fell too far behind: one delta, then the slot's StreamBacklogError."
+    async def generate(self, ids, params, request_id=None, **stream_limits):
+        async for out in super().generate(ids, params, request_id):
+            yield out
+            raise StreamBacklogError("the reader left 99 tokens unread")
+
+
+def test_a_stream_too_far_behind_ends_with_an_openai_error_event():
+    "The 200 is sent, so the error comes as the stream's last event (the openai client raises it)."
+    client = TestClient(build_app(LaggingEngine(["Par", "is"]), "m"))
+    r = client.post("/v1/chat/completions", json={"model": "m", "messages": CONV, "stream": True})
+    events = [line.removeprefix("data: ") for line in r.text.splitlines()
+              if line.startswith("data: ")]
+    assert json.loads(events[1])["choices"][0]["delta"]["content"] == "Par"
+    error = json.loads(events[-1])["error"]
+    assert error["code"] == "stream_backlog_exceeded" and "99 tokens unread" in error["message"]
+    assert "[DONE]" not in events
