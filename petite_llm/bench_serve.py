@@ -413,7 +413,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
       help="more options for transformers serve, e.g. '--continuous-batching'")
     a('--soak', type=float, metavar='SECONDS',
       help="instead of the load test: a soak with faults for SECONDS against petite_llm's server "
-           '(or --base-url), its requests drawn from --requests prompts of --min-len..--max-len')
+           '(or --base-url), its requests drawn from --requests prompts of --min-len..--max-len; '
+           'size them and --soak-rate to what the server sustains (on a CPU: --requests 16 '
+           '--min-len 4 --max-len 32 --soak-rate 2): a soak looks for faults, not overload')
     a('--soak-rate', type=float, default=4.0, help='soak: arrivals per second (default 4)')
     a('--soak-faults', type=float, default=0.3,
       help='soak: the share of requests that are faults: hang-ups, bad input, timeouts (0.3)')
