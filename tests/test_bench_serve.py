@@ -125,9 +125,9 @@ def test_a_server_that_never_answers_is_stopped(tmp_path):
 
 
 def _checkpoint(tmp_path_factory):
-    from test_server_http import _write_checkpoint      # the tiny float64 Qwen3 with a tokenizer
+    from test_server_http import write_checkpoint      # the tiny float64 Qwen3 with a tokenizer
     path = tmp_path_factory.mktemp("qwen3_bench_serve")
-    _write_checkpoint(path)
+    write_checkpoint(path)
     return path
 
 

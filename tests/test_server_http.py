@@ -7,7 +7,6 @@ network wait has a timeout, and the subprocess is killed in the fixture's teardo
 """
 import asyncio
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -17,6 +16,7 @@ import pytest
 import torch
 import transformers
 
+from petite_llm.bench_serve import free_port
 from petite_llm.engine import LLM
 from petite_llm.sampling import SamplingParams
 
@@ -27,14 +27,8 @@ CONV = [{"role": "user", "content": "Hi! What is the capital of France?"}]
 NO_THINK = {"enable_thinking": False}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _write_checkpoint(path):
-    "A random-weight float64 Qwen3 (2 layers, hidden 32) with Qwen3's tokenizer files."
+def write_checkpoint(path, dtype=torch.float64):
+    "A random-weight Qwen3 (2 layers, hidden 32) in dtype, with Qwen3's tokenizer files."
     qwen3_tokenizer = pytest.importorskip("qwen3_tokenizer")
     try:
         qwen3_tokenizer.write_qwen3_tokenizer(path)
@@ -46,15 +40,15 @@ def _write_checkpoint(path):
         tie_word_embeddings=True, bos_token_id=151643, eos_token_id=151645, pad_token_id=0,
         initializer_range=0.5)
     torch.manual_seed(0)
-    transformers.Qwen3ForCausalLM(cfg).to(torch.float64).save_pretrained(path)
+    transformers.Qwen3ForCausalLM(cfg).to(dtype).save_pretrained(path)
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     "(base url, reference LLM): `petite-llm serve` running in a subprocess, killed at the end."
     path = tmp_path_factory.mktemp("qwen3_served")
-    _write_checkpoint(path)
-    port, log = _free_port(), open(path / "server.log", "w+")
+    write_checkpoint(path)
+    port, log = free_port(), open(path / "server.log", "w+")
     cmd = [sys.executable, "-c", "import sys; from petite_llm.cli import main; sys.exit(main())",
            "serve", str(path), "--port", str(port), "--api-key", KEY, "--served-model-name", NAME,
            "--dtype", "float64", "--device", "cpu", "--max-model-len", str(MAX_LEN),

@@ -7,7 +7,6 @@ The app (`build_app` with small `ServerLimits`) runs under uvicorn in a thread o
 a random-weight float32 Qwen3 (2 layers, hidden 32) with Qwen3's tokenizer, so the tests can reach
 the engine's block manager. Every network wait has a timeout.
 """
-import asyncio
 import copy
 import json
 import socket
@@ -17,45 +16,24 @@ import time
 import httpx
 import pytest
 import torch
-import transformers
 import uvicorn
 
 from petite_llm.async_engine import AsyncLLMEngine
+from petite_llm.bench_serve import free_port
 from petite_llm.engine import LLMEngine
 from petite_llm.paging import check_block_accounting
 from petite_llm.server import build_app
 from petite_llm.server_limits import (ServerLimits, add_limit_args, chars_per_byte,
                                       limits_from_args, prompt_char_bound)
 from petite_llm.tokenizer import Tokenizer
+from test_server_http import MAX_LEN, NAME, write_checkpoint
 
 openai = pytest.importorskip("openai")
 qwen3_tokenizer = pytest.importorskip("qwen3_tokenizer")
 
-NAME, MAX_LEN = "tiny-qwen3", 1024
 LIMITS = ServerLimits(max_body_bytes=2**20, max_logprobs=5, max_n=4, stream_backlog_tokens=32,
                       stream_backlog_seconds=30.0)
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-def write_checkpoint(path):
-    "A random-weight float32 Qwen3 (2 layers, hidden 32) with Qwen3's tokenizer files."
-    try:
-        qwen3_tokenizer.write_qwen3_tokenizer(path)
-    except Exception as e:
-        pytest.skip(f"no offline Qwen3 tokenizer here: {e}")
-    cfg = transformers.Qwen3Config(
-        vocab_size=151936, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=2, num_key_value_heads=1, head_dim=16, max_position_embeddings=MAX_LEN,
-        tie_word_embeddings=True, bos_token_id=151643, eos_token_id=151645, pad_token_id=0,
-        initializer_range=0.5)
-    torch.manual_seed(0)
-    transformers.Qwen3ForCausalLM(cfg).save_pretrained(path)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def serve(app) -> tuple[str, uvicorn.Server]:
@@ -70,17 +48,21 @@ def serve(app) -> tuple[str, uvicorn.Server]:
     return f"http://127.0.0.1:{port}", server
 
 
-@pytest.fixture(scope="module")
-def served(tmp_path_factory):
-    "(base URL, the AsyncLLMEngine): build_app(..., limits=LIMITS) served on 127.0.0.1."
-    path = tmp_path_factory.mktemp("qwen3_f32")
-    write_checkpoint(path)
+def served_engine(path, limits: ServerLimits | None = None):
+    "Yield (base URL, AsyncLLMEngine): a float32 tiny Qwen3 at path behind build_app's limits."
+    write_checkpoint(path, torch.float32)
     engine = AsyncLLMEngine(LLMEngine.from_pretrained(
         path, dtype=torch.float32, device="cpu", max_model_len=MAX_LEN, kv_cache_memory=2**25))
-    base, server = serve(build_app(engine, NAME, limits=LIMITS))
+    base, server = serve(build_app(engine, NAME, limits=limits))
     yield base, engine
     server.should_exit = True
     engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    "(base URL, the AsyncLLMEngine): build_app(..., limits=LIMITS) served on 127.0.0.1."
+    yield from served_engine(tmp_path_factory.mktemp("qwen3_f32"), LIMITS)
 
 
 @pytest.fixture()

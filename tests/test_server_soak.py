@@ -12,15 +12,12 @@ import asyncio
 import json
 
 import pytest
-import torch
 
-from petite_llm.async_engine import AsyncLLMEngine
 from petite_llm.bench_serve import make_load
 from petite_llm.bench_soak import FAULTS, soak, soak_report
-from petite_llm.engine import LLMEngine
 from petite_llm.paging import check_block_accounting
-from petite_llm.server import build_app
-from test_server_limits import MAX_LEN, NAME, serve, write_checkpoint
+from test_server_http import NAME
+from test_server_limits import served_engine
 
 pytest.importorskip("openai")
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -29,14 +26,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     "(base URL, AsyncLLMEngine): a float32 tiny Qwen3 behind build_app's default limits."
-    path = tmp_path_factory.mktemp("qwen3_soak")
-    write_checkpoint(path)
-    engine = AsyncLLMEngine(LLMEngine.from_pretrained(
-        path, dtype=torch.float32, device="cpu", max_model_len=MAX_LEN, kv_cache_memory=2**25))
-    base, server = serve(build_app(engine, NAME))
-    yield base, engine
-    server.should_exit = True
-    engine.shutdown()
+    yield from served_engine(tmp_path_factory.mktemp("qwen3_soak"))
 
 
 def soak_for(served, seconds: float) -> dict:
