@@ -10,14 +10,15 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from .bench_host import engine_figures, engine_table
 from .bench_peers import (SHAPES, PetitePeer, TransformersPeer, as_dtype, dtype_name,
                                     make_random_checkpoint, make_requests)
 from .layers.linear import PackedLinear, packed_linear_available
 
 # %% auto #0
-__all__ = ['FULL', 'QUICK', 'linear_shapes', 'weight_bytes', 'memory_read_gb_s', 'linear_bound', 'measure_prefill_decode',
-           'measure_offline', 'choose_batch_size', 'num_threads', 'run_benchmark', 'ratios', 'plot_results',
-           'add_arguments', 'run', 'scoreboard']
+__all__ = ['FULL', 'QUICK', 'PARTS', 'linear_shapes', 'weight_bytes', 'memory_read_gb_s', 'linear_bound',
+           'measure_prefill_decode', 'measure_offline', 'choose_batch_size', 'num_threads', 'run_benchmark', 'ratios',
+           'plot_results', 'add_arguments', 'run', 'scoreboard']
 
 # %% ../nbs/17_benchmarks.ipynb #b04d180f
 def linear_shapes(cfg: dict) -> list[tuple[int, int]]:
@@ -274,6 +275,9 @@ def plot_results(res: dict, path=None):
     return fig
 
 # %% ../nbs/17_benchmarks.ipynb #ff46442e
+# what `petite-llm bench` can measure; --only picks some
+PARTS = ('throughput', 'launches', 'host')
+
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     "Add the `petite-llm bench` options to an argparse parser."
     a = parser.add_argument
@@ -310,31 +314,47 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
       help="petite_llm's weights as int8, one scale per row (chapter 18; default: --dtype's)")
     a('--quick', action='store_true',
       help='a smoke run in seconds: tiny shape, few requests, short lengths')
+    a('--only', default=','.join(PARTS),
+      help="which figures, comma-separated: throughput (against transformers), launches "
+           "(kernels per layer), host (the engine's host work); default all three")
     a('--out', nargs='?', const='images',
       help='write bench.json and bench_tok_s.png into this folder (default images/)')
     return parser
 
 def run(args) -> dict:
-    "Run `petite-llm bench` from parsed arguments: JSON on stdout, --out files; return the dict."
+    "Run `petite-llm bench` from parsed arguments: JSON on stdout, tables on stderr, --out files."
     llm_kwargs = dict(quantization=args.quantization)
     if args.kv_cache_memory is not None:
         llm_kwargs['kv_cache_memory'] = args.kv_cache_memory
     batch_sizes = tuple(int(b) for b in args.batch_sizes.split(','))
+    only = tuple(p.strip() for p in args.only.split(','))
+    if unknown := set(only) - set(PARTS):
+        raise ValueError(f"unknown --only {sorted(unknown)}: choose from {', '.join(PARTS)}")
     engines = tuple(e.strip() for e in args.engines.split(','))
     # keep stdout pure JSON whatever the engines print
     with contextlib.redirect_stdout(sys.stderr):
-        res = run_benchmark(model=args.model, shape=args.shape, layers=args.layers,
-                            dtype=args.dtype, threads=args.threads, device=args.device,
-                            prompt_len=args.prompt_len, decode_tokens=args.decode_tokens,
-                            requests=args.requests, min_len=args.min_len, max_len=args.max_len,
-                            batch_sizes=batch_sizes, probe_requests=args.probe_requests,
-                            probe_tokens=args.probe_tokens, repeats=args.repeats, seed=args.seed,
-                            quick=args.quick, engines=engines, llm_kwargs=llm_kwargs)
+        res = {}
+        if 'throughput' in only:
+            res = run_benchmark(model=args.model, shape=args.shape, layers=args.layers,
+                                dtype=args.dtype, threads=args.threads, device=args.device,
+                                prompt_len=args.prompt_len, decode_tokens=args.decode_tokens,
+                                requests=args.requests, min_len=args.min_len, max_len=args.max_len,
+                                batch_sizes=batch_sizes, probe_requests=args.probe_requests,
+                                probe_tokens=args.probe_tokens, repeats=args.repeats,
+                                seed=args.seed,
+                                quick=args.quick, engines=engines, llm_kwargs=llm_kwargs)
+        if {'launches', 'host'} & set(only):
+            res['engine'] = engine_figures(only)
         if args.out:
             out = Path(args.out)
             out.mkdir(parents=True, exist_ok=True)
             (out/'bench.json').write_text(json.dumps(res, indent=2))
-            plot_results(res, out/'bench_tok_s.png')
+            if 'throughput' in only:
+                plot_results(res, out/'bench_tok_s.png')
+    if 'throughput' in only:
+        print(scoreboard(res), file=sys.stderr)
+    if 'engine' in res:
+        print(engine_table(res['engine']), file=sys.stderr)
     print(json.dumps(res, indent=2))
     return res
 

@@ -34,6 +34,12 @@ SHAPES = {
                  head_dim=64, rope_theta=1_000_000.0, max_position_embeddings=4096,
                  rms_norm_eps=1e-6, tie_word_embeddings=True,
                  bos_token_id=0, eos_token_id=1),
+    # nothing to compute: a forward that costs next to nothing, for the engine's own host work
+    'micro': dict(vocab_size=256, hidden_size=16, intermediate_size=32,
+                  num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                  head_dim=16, rope_theta=1_000_000.0, max_position_embeddings=4096,
+                  rms_norm_eps=1e-6, tie_word_embeddings=True,
+                  bos_token_id=0, eos_token_id=1),
 }
 
 def as_dtype(dtype) -> torch.dtype:

@@ -195,8 +195,9 @@ def bench_modes() -> dict:
     return {
         '': (bench.add_arguments, bench.run,
              'Prefill, decode and offline throughput of petite_llm against transformers on the '
-             'same weights; JSON on stdout. `petite-llm bench serve|sweep|speculative --help`: '
-             'the other workloads.'),
+             "same weights, and the engine's own kernels per decoder layer and host work per "
+             'step (no peer; --only launches,host for those alone, in seconds); JSON on stdout. '
+             '`petite-llm bench serve|sweep|speculative --help`: the other workloads.'),
         'serve': (bench_serve.add_arguments, bench_serve.run,
                   'Stream a Poisson workload through the openai client to OpenAI-compatible '
                   "servers: petite_llm's and transformers', started one after the other on the "

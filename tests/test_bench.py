@@ -20,7 +20,7 @@ def _parse(*argv):
 def test_help_lists_every_option():
     h = add_arguments(argparse.ArgumentParser(prog='petite-llm bench')).format_help()
     for opt in ('--quick', '--out', '--layers', '--threads', '--dtype', '--requests', '--shape',
-                '--model'):
+                '--model', '--only'):
         assert opt in h
 
 
@@ -81,6 +81,21 @@ def test_quick_run_prints_json_and_writes_outputs(tmp_path, capsys):
               'decode_vs_linear_bound'):
         assert res['ratios'][k] > 0
     assert res['lengths']['offline_output_tokens'] == res['petite_llm']['offline_output_tokens']
+    # the engine's own figures come with the throughput, each beside its goal
+    assert res['engine']['launches_per_layer']['triton'] > 0
+    for k in ('launches_per_layer', 'host_us_per_seq_step', 'host_ms_lone_step'):
+        assert res['engine'][k]['goal'] > 0
+
+
+def test_only_the_engines_own_figures_in_seconds(tmp_path, capsys):
+    res = run(_parse('--only', 'host', '--out', str(tmp_path)))
+    assert json.loads(capsys.readouterr().out) == json.loads(json.dumps(res))
+    assert set(res) == {'engine'} and 'launches_per_layer' not in res['engine']
+    assert res['engine']['host_us_per_seq_step']['batch'] == 256
+    assert res['engine']['host_ms_lone_step']['value'] > 0
+    assert json.loads((tmp_path/'bench.json').read_text()) == json.loads(json.dumps(res))
+    with pytest.raises(ValueError, match='unknown --only'):
+        run(_parse('--only', 'host,speed'))
 
 
 def test_bad_arguments_raise_clear_errors():
