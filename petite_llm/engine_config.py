@@ -23,7 +23,7 @@ logger = logging.getLogger('petite_llm.engine')
 # %% ../nbs/14_engine.ipynb #d78558e9
 @dataclass
 class EngineConfig:
-    "Every option of the engine, under vLLM's names: LLM, LLMEngine, the CLI and the server pass one."
+    "Every option of the engine, in vLLM's names: LLM, LLMEngine, the CLI and the server pass one."
     dtype: str | torch.dtype | None = None    # None: the checkpoint's, or default_dtype for fp32
     device: str | None = None                 # None: CUDA when present, else the CPU
     quantization: str | None = None           # 'int8': int8 weights (chapter 18)

@@ -227,7 +227,7 @@ def _cxx_compiler() -> str | None:
     return next((path for name in names if (path := shutil.which(name))), None)
 
 def compile_model(model: nn.Module) -> Callable:
-    "model.model under torch.compile for the CPU: the small ops fused, linears and attention opaque."
+    "model.model under torch.compile for the CPU: small ops fused, linears and attention opaque."
     device = next(model.parameters()).device
     if device.type != 'cpu':
         raise ValueError(f"enable_torch_compile is for the CPU, and the model is on {device}: "
