@@ -10,10 +10,13 @@ import asyncio
 import json
 import random
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import httpx
 import numpy as np
+
+from .server_metrics import parse_metrics
+
 
 # %% ../nbs/16_server.ipynb #6a609021
 KINDS = ('stream', 'whole', 'slow', 'disconnect', 'bad', 'timeout')   # the last three are faults
@@ -82,11 +85,9 @@ async def lone_answers(client, model: str, load) -> list[str]:
     "Each request's greedy text asked alone, one after another: what it must get under load."
     return [await _well_formed(client, model, req.prompt, req.max_tokens, 'whole') for req in load]
 
-async def _metrics(http: httpx.AsyncClient) -> dict[str, float]:
-    "The server's /metrics as {name: value} (the samples without labels)."
-    text = (await http.get('/metrics')).text
-    return {line.split()[0]: float(line.split()[-1]) for line in text.splitlines()
-            if line and not line.startswith('#') and '{' not in line}
+async def _metrics(http: httpx.AsyncClient) -> dict:
+    "The server's /metrics, parsed."
+    return parse_metrics((await http.get('/metrics')).text)
 
 async def _watch_memory(http: httpx.AsyncClient, samples: list, stop: asyncio.Event):
     "Every 0.5 s: (seconds since the start, the server's resident memory in MiB)."

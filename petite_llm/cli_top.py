@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 # %% auto 0
-__all__ = ['parse_metrics', 'histogram_quantile', 'dashboard', 'fetch_metrics', 'cmd_top']
+__all__ = ['histogram_quantile', 'dashboard', 'fetch_metrics', 'cmd_top']
 
 # %% ../nbs/90_cli.ipynb #8a6cfdd9
 import math
@@ -12,26 +12,7 @@ import sys
 import time
 
 # %% ../nbs/90_cli.ipynb #fd69b5e1
-def parse_metrics(text: str) -> dict:
-    "Prometheus text as plain numbers: gauges and counters by sample name, histograms as dicts."
-    from prometheus_client.parser import text_string_to_metric_families
-    out = {}
-    for fam in text_string_to_metric_families(text):
-        if fam.type == 'histogram':
-            h = out[fam.name] = dict(buckets=[], count=0.0, sum=0.0)
-            for s in fam.samples:
-                if s.name.endswith('_bucket'):
-                    h['buckets'].append((float(s.labels['le']), s.value))
-                elif s.name.endswith('_count'):
-                    h['count'] = s.value
-                elif s.name.endswith('_sum'):
-                    h['sum'] = s.value
-            h['buckets'].sort()
-        elif fam.type in ('gauge', 'counter'):
-            for s in fam.samples:
-                if not s.name.endswith('_created'):
-                    out[s.name] = s.value
-    return out
+from .server_metrics import parse_metrics
 
 def histogram_quantile(buckets: list[tuple[float, float]], q: float) -> float:
     "The q-quantile from cumulative (upper bound, count) buckets, interpolated as Prometheus does."

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 # %% auto 0
-__all__ = ['ServerMetrics']
+__all__ = ['ServerMetrics', 'parse_metrics']
 
 # %% ../nbs/16_server.ipynb #c26fc7a8
 from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector,
                                generate_latest)
+from prometheus_client.parser import text_string_to_metric_families
 
 from .outputs import RequestOutput
 
@@ -63,3 +64,24 @@ class ServerMetrics:
     def render(self) -> bytes:
         "The Prometheus text format."
         return generate_latest(self.registry)
+
+# %% ../nbs/16_server.ipynb #4e1fd8a5
+def parse_metrics(text: str) -> dict:
+    "Prometheus text as plain numbers: gauges and counters by sample name, histograms as dicts."
+    out = {}
+    for fam in text_string_to_metric_families(text):
+        if fam.type == 'histogram':
+            h = out[fam.name] = dict(buckets=[], count=0.0, sum=0.0)
+            for s in fam.samples:
+                if s.name.endswith('_bucket'):
+                    h['buckets'].append((float(s.labels['le']), s.value))
+                elif s.name.endswith('_count'):
+                    h['count'] = s.value
+                elif s.name.endswith('_sum'):
+                    h['sum'] = s.value
+            h['buckets'].sort()
+        elif fam.type in ('gauge', 'counter'):
+            for s in fam.samples:
+                if not s.name.endswith('_created'):
+                    out[s.name] = s.value
+    return out

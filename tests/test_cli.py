@@ -307,7 +307,8 @@ petite_llm:time_to_first_token_seconds_sum 4.0
 
 def test_parse_metrics_and_quantiles():
     import math
-    from petite_llm.cli_top import histogram_quantile, parse_metrics
+    from petite_llm.cli_top import histogram_quantile
+    from petite_llm.server_metrics import parse_metrics
     m = parse_metrics(METRICS_TEXT)
     assert m['petite_llm:num_requests_running'] == 4
     assert m['petite_llm:kv_cache_usage_perc'] == 0.625
