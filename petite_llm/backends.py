@@ -6,9 +6,11 @@ from __future__ import annotations
 __all__ = ['AttentionMetadata', 'AttentionBackend', 'store_kv', 'gather_blocks', 'group_by_length', 'DecodeGroup', 'TorchAttentionBackend']
 
 # %% ../nbs/11_paged_blocks.ipynb #7bd377ba
+import itertools
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -35,45 +37,47 @@ class AttentionMetadata:
               num_new_tokens: list[int], block_size: int, device: torch.device | str | None,
               backend: AttentionBackend) -> AttentionMetadata:
         "Metadata for sequences with these block tables, tokens already cached and tokens to run."
+        # numpy on the host, whole arrays at once: no Python loop over tokens or table entries
         num_seqs = len(num_new_tokens)
-        context_lens = [done + new for done, new in zip(num_computed_tokens, num_new_tokens)]
-        for i, (table, context_len) in enumerate(zip(block_tables, context_lens)):
-            if len(table) * block_size < context_len:
-                raise ValueError(f"sequence {i}: block table of {len(table)} blocks "
-                                 f"cannot hold {context_len} tokens")
-        width = max([len(table) for table in block_tables] + [1])
-        padded = [list(table) + [0] * (width - len(table)) for table in block_tables]
-        tables = torch.tensor(padded, dtype=torch.int32).view(num_seqs, width)   # [B, width]
-        query_start_loc = [0]
-        for new in num_new_tokens:
-            query_start_loc.append(query_start_loc[-1] + new)
+        new = np.asarray(num_new_tokens, dtype=np.int64)                             # [B]
+        done = np.asarray(num_computed_tokens, dtype=np.int64)                       # [B]
+        context_lens = done + new
+        table_lens = np.fromiter(map(len, block_tables), dtype=np.int64, count=num_seqs)
+        too_short = np.flatnonzero(table_lens * block_size < context_lens)
+        if len(too_short):
+            i = too_short[0]
+            raise ValueError(f"sequence {i}: block table of {table_lens[i]} blocks "
+                             f"cannot hold {context_lens[i]} tokens")
+        width = max(int(table_lens.max(initial=0)), 1)
+        tables = np.zeros((num_seqs, width), dtype=np.int32)                         # [B, width]
+        tables[np.arange(width) < table_lens[:, None]] = np.fromiter(
+            itertools.chain.from_iterable(block_tables), dtype=np.int32, count=table_lens.sum())
+        query_start_loc = np.concatenate([[0], np.cumsum(new)])                      # [B+1]
         # each token of the flat batch: its sequence, its offset among that sequence's new tokens,
         # its absolute position, and the slot its K/V go to
-        seq_of_token = torch.repeat_interleave(torch.arange(num_seqs),
-                                               torch.tensor(num_new_tokens, dtype=torch.long))
-        first_row = torch.tensor(query_start_loc[:-1], dtype=torch.long)[seq_of_token]
-        offset = torch.arange(query_start_loc[-1]) - first_row
-        positions = torch.tensor(num_computed_tokens, dtype=torch.long)[seq_of_token] + offset
-        block_ids = tables[seq_of_token, positions // block_size].long()
+        seq_of_token = np.repeat(np.arange(num_seqs), new)                           # [T]
+        offset = np.arange(len(seq_of_token)) - query_start_loc[seq_of_token]       # [T]
+        positions = done[seq_of_token] + offset
+        block_ids = tables[seq_of_token, positions // block_size].astype(np.int64)
         slot_mapping = block_ids * block_size + positions % block_size
         # decodes come first: count the leading sequences with exactly one new token
-        num_decodes = 0
-        while num_decodes < num_seqs and num_new_tokens[num_decodes] == 1:
-            num_decodes += 1
+        not_decode = np.flatnonzero(new != 1)
+        num_decodes = int(not_decode[0]) if len(not_decode) else num_seqs
 
-        def to_device(x: torch.Tensor) -> torch.Tensor:
+        def to_device(x: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+            x = torch.from_numpy(x).to(dtype)
             return x.to(device, non_blocking=True) if device is not None else x
 
-        return cls(slot_mapping=to_device(slot_mapping),
-                   block_tables=to_device(tables),
-                   context_lens=to_device(torch.tensor(context_lens, dtype=torch.int32)),
-                   query_start_loc=to_device(torch.tensor(query_start_loc, dtype=torch.int32)),
-                   positions=to_device(positions),
+        return cls(slot_mapping=to_device(slot_mapping, torch.long),
+                   block_tables=to_device(tables, torch.int32),
+                   context_lens=to_device(context_lens, torch.int32),
+                   query_start_loc=to_device(query_start_loc, torch.int32),
+                   positions=to_device(positions, torch.long),
                    num_decodes=num_decodes,
-                   max_query_len=max(num_new_tokens, default=0),
-                   max_context_len=max(context_lens, default=0),
-                   query_start_loc_cpu=query_start_loc,
-                   context_lens_cpu=context_lens,
+                   max_query_len=int(new.max(initial=0)),
+                   max_context_len=int(context_lens.max(initial=0)),
+                   query_start_loc_cpu=query_start_loc.tolist(),
+                   context_lens_cpu=context_lens.tolist(),
                    backend=backend)
 
 # %% ../nbs/11_paged_blocks.ipynb #c97e8c1d

@@ -138,7 +138,9 @@ def host_work(batch: int, steps: int = 20, repeats: int = 3, warm_up: int = 3,
         engine = LLM(str(path), dtype=torch.float32, device='cpu', max_num_seqs=batch,
                      kv_cache_memory=1 << 24).engine
         max_tokens = 1 + warm_up + repeats * steps + 1     # none finishes while it is timed
-        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+        # what LLM.generate asks for: the outputs of finished requests only
+        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True,
+                                output_kind='final_only')
         vocab = engine.runner.model.config.vocab_size
         for prompt, _ in make_requests(batch, prompt_len, prompt_len, vocab, seed=5):
             engine.add_request(prompt, params)

@@ -8,6 +8,7 @@ import itertools
 import logging
 import os
 import time
+from dataclasses import replace
 from typing import Iterator
 
 from tqdm.auto import tqdm
@@ -58,8 +59,8 @@ class LLMEngine:
         self.kv_cache_memory, self.max_model_len = sizes.kv_cache_memory, sizes.max_model_len
         self.block_manager = BlockManager(sizes.num_blocks, config.block_size,
                                           config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.block_manager, config.max_num_batched_tokens,
-                                   config.num_seqs, sizes.max_model_len, self.eos_token_ids)
+        self.scheduler = Scheduler(self.block_manager, sizes.max_num_batched_tokens,
+                                   sizes.max_num_seqs, sizes.max_model_len, self.eos_token_ids)
         self.speculator = None
         if spec_config is not None:
             # the draft gets a backend of its own: a backend keeps per-model buffers
@@ -70,7 +71,7 @@ class LLMEngine:
                                   self._attention_backend(), compiled, self.speculator)
         if (not config.enforce_eager and self.runner.device.type == 'cuda'
                 and self.runner.backend.supports_cuda_graphs):
-            self.runner.capture_cuda_graphs(config.num_seqs, sizes.max_model_len)
+            self.runner.capture_cuda_graphs(sizes.max_num_seqs, sizes.max_model_len)
         self._log_start(sizes)
         self.output_processor = OutputProcessor(tokenizer, self.scheduler)
         self._request_ids, self._seq_ids = itertools.count(), itertools.count()
@@ -89,6 +90,8 @@ class LLMEngine:
         logger.info("KV cache: %d blocks of %d tokens = %d tokens, %.1f MiB (%s); max_model_len=%d",
                     sizes.num_blocks, config.block_size, sizes.num_blocks * config.block_size,
                     sizes.kv_cache_memory / 2**20, sizes.source, sizes.max_model_len)
+        logger.info("a step: at most %d tokens and %d sequences", sizes.max_num_batched_tokens,
+                    sizes.max_num_seqs)
         graphs = runner.cuda_graphs
         logger.info("attention backend: %s; decode steps %s", runner.backend.name,
                     f"replay CUDA graphs for batch sizes {graphs.batch_sizes}"
@@ -266,6 +269,8 @@ class LLM:
         ids = []
         try:
             for prompt, sp, prio in zip(prompts, params, priority):
+                # only the final output is read: no copy of a completion at every step (vLLM's too)
+                sp = replace(sp or self.engine.default_sampling_params(), output_kind='final_only')
                 ids.append(self._add_request(prompt, sp, prio))
         except Exception:
             # all or nothing: none of this call's requests stays queued, nor is reported
@@ -281,13 +286,16 @@ class LLM:
         self._unread[request_id] = None
         return request_id
 
-    def _step(self):
-        "One engine step; each output goes to its own request's slot, merged with what is unread."
+    def _step(self) -> list[str]:
+        "One engine step; each output goes to its own request's slot; the ids of those it filled."
+        filled = []
         for out in self.engine.step():
             if out.request_id not in self._unread:
                 continue              # not one of ours (added to the engine directly)
             older = self._unread[out.request_id]
             self._unread[out.request_id] = out if older is None else merge_outputs(older, out)
+            filled.append(out.request_id)
+        return filled
 
     def _take(self, request_id: str) -> RequestOutput | None:
         "What the request gained since it was last taken (None if nothing); a finished one is done."
@@ -303,15 +311,14 @@ class LLM:
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         "Step the engine until every request in `ids` has finished; their final outputs in order."
-        results = {}
+        results, ours = {}, set(ids)
         bar = tqdm(total=len(ids), desc='Generating', unit='req', disable=not use_tqdm,
                    dynamic_ncols=True)
         try:
             while len(results) < len(ids):
-                self._step()
-                for request_id in ids:
+                for request_id in self._step():      # only the requests this step reported
                     out = self._unread.get(request_id)
-                    if out is not None and out.finished:
+                    if request_id in ours and out is not None and out.finished:
                         results[request_id] = self._take(request_id)
                         bar.update(1)
                 if use_tqdm:

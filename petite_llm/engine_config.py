@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 # %% auto 0
-__all__ = ['logger', 'CPU_KV_FRACTION', 'CPU_KV_CAP', 'EngineConfig', 'gpu_kv_cache_budget', 'profile_gpu_memory', 'default_kv_cache_memory', 'EngineSizes', 'size_engine']
+__all__ = ['logger', 'CPU_KV_FRACTION', 'CPU_KV_CAP', 'EngineConfig', 'batch_defaults', 'gpu_kv_cache_budget', 'profile_gpu_memory', 'default_kv_cache_memory', 'EngineSizes', 'size_engine']
 
 # %% ../nbs/14_engine.ipynb #a325398b
 import dataclasses
@@ -31,8 +31,8 @@ class EngineConfig:
     kv_cache_memory: int | None = None        # bytes of KV pool; None: sized by the rule below
     gpu_memory_utilization: float = 0.9       # the share of the GPU this engine may take
     max_model_len: int | None = None          # None: the model's, or what the pool holds
-    max_num_batched_tokens: int = 2048        # tokens per step
-    max_num_seqs: int | None = None           # sequences per step; None: min(256, the above)
+    max_num_batched_tokens: int | None = None  # tokens per step; None: batch_defaults
+    max_num_seqs: int | None = None           # sequences per step; None: batch_defaults
     enable_prefix_caching: bool = True
     attention_backend: str = 'auto'           # 'auto', 'torch' or 'triton'
     enforce_eager: bool = False               # no CUDA graphs
@@ -47,10 +47,25 @@ class EngineConfig:
                             f"the options are {', '.join(known)}")
         return dataclasses.replace(self, **options)
 
-    @property
-    def num_seqs(self) -> int:
-        "max_num_seqs, or its default: no more sequences than tokens per step, at most 256."
-        return self.max_num_seqs or min(256, self.max_num_batched_tokens)
+    def batch_limits(self, device: torch.device | str) -> tuple[int, int]:
+        "(max_num_batched_tokens, max_num_seqs) on device: as given, else batch_defaults'."
+        device = torch.device(device)
+        if device.type == 'cuda':
+            props = torch.cuda.get_device_properties(device)
+            tokens, seqs = batch_defaults('cuda', props.total_memory, props.name)
+        else:
+            tokens, seqs = batch_defaults(device.type)
+        tokens = self.max_num_batched_tokens or tokens
+        return tokens, self.max_num_seqs or min(seqs, tokens)   # no more sequences than tokens
+
+def batch_defaults(device_type: str, total_memory: int = 0, name: str = '') -> tuple[int, int]:
+    "(max_num_batched_tokens, max_num_seqs) if unset: vLLM's LLM defaults on a GPU, ours on a CPU."
+    if device_type != 'cuda':
+        return 2048, 256     # a CPU step of 2048 tokens already takes about a second
+    # vLLM 0.11's EngineArgs for its LLM class: large GPUs but the A100 (slower with 16384)
+    if total_memory >= 70 * 2**30 and 'a100' not in name.lower():
+        return 16384, 1024
+    return 8192, 256
 
 # %% ../nbs/14_engine.ipynb #f88a332f
 def _mem_available() -> int:
@@ -92,8 +107,9 @@ def gpu_kv_cache_budget(total: int, free: int, weights: int, activations: int,
     return kv
 
 @torch.inference_mode()
-def profile_gpu_memory(models: list[nn.Module], profile_tokens: int = 2048) -> tuple[int, ...]:
-    "(total, free, weights, activations) bytes, after a forward pass of profile_tokens tokens."
+def profile_gpu_memory(models: list[nn.Module], profile_tokens: int = 2048,
+                       profile_rows: int = 256) -> tuple[int, ...]:
+    "(total, free, weights, activations) bytes, after a forward of profile_tokens tokens."
     model, device = models[0], next(models[0].parameters()).device
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
@@ -102,8 +118,8 @@ def profile_gpu_memory(models: list[nn.Module], profile_tokens: int = 2048) -> t
     num_tokens = min(profile_tokens, model.config.max_position_embeddings)
     hidden = model.model(torch.zeros(num_tokens, dtype=torch.long, device=device),
                          torch.arange(num_tokens, device=device))     # [num_tokens, H]
-    # about what the sampler holds for 256 rows
-    model.compute_logits(hidden[-256:]).float().softmax(-1)
+    # about what the sampler holds for profile_rows rows
+    model.compute_logits(hidden[-profile_rows:]).float().softmax(-1)
     torch.cuda.synchronize(device)
     activations = torch.cuda.max_memory_allocated(device) - before
     del hidden
@@ -114,11 +130,13 @@ def profile_gpu_memory(models: list[nn.Module], profile_tokens: int = 2048) -> t
                   for t in [*m.parameters(), *m.buffers()])
     return total, free, weights, activations
 
-def default_kv_cache_memory(models: list[nn.Module], gpu_memory_utilization: float = 0.9) -> int:
+def default_kv_cache_memory(models: list[nn.Module], gpu_memory_utilization: float = 0.9,
+                            max_num_batched_tokens: int = 2048, max_num_seqs: int = 256) -> int:
     "KV pool bytes: on CUDA the rule above; on a CPU 25% of available RAM, at most 4 GiB."
     if next(models[0].parameters()).device.type != 'cuda':
         return int(min(CPU_KV_FRACTION * _mem_available(), CPU_KV_CAP))
-    return gpu_kv_cache_budget(*profile_gpu_memory(models), gpu_memory_utilization)
+    usage = profile_gpu_memory(models, max_num_batched_tokens, max_num_seqs)
+    return gpu_kv_cache_budget(*usage, gpu_memory_utilization)
 
 # %% ../nbs/14_engine.ipynb #732f6080
 @dataclass
@@ -128,18 +146,23 @@ class EngineSizes:
     kv_cache_memory: int     # their bytes, over every model with a KV cache
     max_model_len: int       # the longest sequence, prompt and output
     source: str              # where the KV budget came from, for the start-up log
+    max_num_batched_tokens: int   # a step's limits (EngineConfig.batch_limits)
+    max_num_seqs: int
 
 def size_engine(config: EngineConfig, models: list[nn.Module]) -> EngineSizes:
-    "The KV pool and max_model_len for models (the target, and a draft) under config."
+    "The KV pool, max_model_len and batch limits for models (the target, and a draft) under config."
     model_config, dtype = models[0].config, next(models[0].parameters()).dtype
+    max_num_batched_tokens, max_num_seqs = config.batch_limits(next(models[0].parameters()).device)
     kv_configs = [m.config for m in models]   # every model with a KV cache: a block id names one
     kv_cache_memory, source = config.kv_cache_memory, 'given'
     if kv_cache_memory is None:
         # no more than max_num_seqs full-length sequences could use
         longest = config.max_model_len or model_config.max_position_embeddings
-        most = config.num_seqs * longest * kv_bytes_per_block(kv_configs, 1, dtype)
-        kv_cache_memory = min(default_kv_cache_memory(models, config.gpu_memory_utilization),
-                              most)
+        most = max_num_seqs * longest * kv_bytes_per_block(kv_configs, 1, dtype)
+        # activations profiled at the largest step: every batched token, every sequence sampling
+        budget = default_kv_cache_memory(models, config.gpu_memory_utilization,
+                                         max_num_batched_tokens, max_num_seqs)
+        kv_cache_memory = min(budget, most)
         if next(models[0].parameters()).is_cuda:
             source = f'gpu_memory_utilization={config.gpu_memory_utilization}'
         else:
@@ -157,4 +180,5 @@ def size_engine(config: EngineConfig, models: list[nn.Module]) -> EngineSizes:
         raise ValueError(f"max_model_len={max_model_len} exceeds the model's "
                          f"max_position_embeddings={limit}; lower max_model_len")
     bytes_per_block = kv_bytes_per_block(kv_configs, config.block_size, dtype)
-    return EngineSizes(num_blocks, num_blocks * bytes_per_block, max_model_len, source)
+    return EngineSizes(num_blocks, num_blocks * bytes_per_block, max_model_len, source,
+                       max_num_batched_tokens, max_num_seqs)

@@ -111,6 +111,7 @@ class _Request:
     detoks: list[IncrementalDetokenizer | None]
     completions: list[CompletionOutput]
     metrics: RequestMetrics
+    final_only: bool = False    # report nothing before the last completion ends
 
     def output(self) -> RequestOutput:
         "A snapshot for the caller (later steps do not change it); resets the deltas."
@@ -145,7 +146,7 @@ class OutputProcessor:
                        for i in range(len(seqs))]
         req = _Request(request_id, prompt if isinstance(prompt, str) else None, prompt_token_ids,
                        [seq.seq_id for seq in seqs], detoks, completions,
-                       RequestMetrics(time.perf_counter()))
+                       RequestMetrics(time.perf_counter()), params.output_kind == 'final_only')
         self.requests[request_id] = req
         for index, seq in enumerate(seqs):
             self._seq_owner[seq.seq_id] = (req, index)
@@ -193,6 +194,8 @@ class OutputProcessor:
                     break                         # a stop string ended it
             touched[req.request_id] = req
         for req in touched.values():
+            if req.final_only and not all(c.finished for c in req.completions):
+                continue                          # no copy of a completion nobody reads yet
             out = req.output()
             if out.finished:
                 req.metrics.finished_time = out.metrics.finished_time = now

@@ -10,10 +10,13 @@ from dataclasses import dataclass, field, replace
 import torch
 
 # %% auto #0
-__all__ = ['SamplingParams', 'token_counts', 'apply_repetition_penalty', 'apply_penalties', 'apply_temperature', 'apply_top_k',
-           'apply_top_p', 'apply_min_p', 'seed_for', 'exponential_noise', 'draw', 'SamplerOutput', 'Sampler']
+__all__ = ['OUTPUT_KINDS', 'SamplingParams', 'token_counts', 'apply_repetition_penalty', 'apply_penalties', 'apply_temperature',
+           'apply_top_k', 'apply_top_p', 'apply_min_p', 'seed_for', 'exponential_noise', 'draw', 'SamplerOutput',
+           'Sampler']
 
 # %% ../nbs/08_sampling.ipynb #4c6f200a
+OUTPUT_KINDS = ('cumulative', 'final_only')   # vLLM's RequestOutputKind, less DELTA
+
 def _fail(name, value, valid):
     raise ValueError(f"SamplingParams.{name} must be {valid}, got {value!r}")
 
@@ -50,6 +53,8 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None       # top-k logprobs of the raw distribution per step
     skip_special_tokens: bool = True
+    # what each step reports: the whole completion so far, or nothing until it ends
+    output_kind: str = 'cumulative'   # 'cumulative' | 'final_only' (offline generate)
 
     def __post_init__(self):
         self.n = _integer('n', self.n, 'an int >= 1', lambda v: v >= 1)
@@ -84,6 +89,8 @@ class SamplingParams:
             _fail('stop_token_ids', self.stop_token_ids, 'a list of token ids (ints >= 0)')
         if self.logprobs is not None:
             _integer('logprobs', self.logprobs, 'None or an int >= 0', lambda v: v >= 0)
+        if self.output_kind not in OUTPUT_KINDS:
+            _fail('output_kind', self.output_kind, f'one of {OUTPUT_KINDS}')
 
     @property
     def greedy(self) -> bool:

@@ -40,6 +40,7 @@ class Sequence:
         self.num_cached_tokens = 0     # of those, found in the prefix cache at the last admission
         self.block_table: list[int] = []
         self.spec_token_ids: list[int] = []   # drafts its next decode verifies (chapter 15)
+        self.stop_ids: set[int] = set()   # eos and stop token ids, set by Scheduler.add
         self.arrival = -1              # set by Scheduler.add: first come, first served
         self.status = SequenceStatus.WAITING
         self.finish_reason: str | None = None       # 'stop' | 'length' | 'abort'
@@ -70,7 +71,8 @@ class Sequence:
     @property
     def is_decoding(self) -> bool:
         "True when its next step is a decode: it has output tokens and only the last is uncomputed."
-        return self.num_output_tokens > 0 and self.num_computed_tokens == self.num_tokens - 1
+        num_tokens = len(self.token_ids)        # read per sequence per step: no nested properties
+        return num_tokens > self.num_prompt_tokens and self.num_computed_tokens == num_tokens - 1
 
     def __repr__(self):
         return (f"Sequence({self.seq_id}, {self.status.value}, "
@@ -105,6 +107,9 @@ class SchedulerOutput:
         ids = []
         rows = zip(self.seqs, self.num_computed_tokens, self.num_new_tokens, self.spec_token_ids)
         for seq, done, new, drafts in rows:
+            if new == 1 and not drafts:
+                ids.append(seq.token_ids[done])   # a decode, the common case: one token
+                continue
             # a step that runs past the last token runs the drafts after it
             ids += seq.token_ids[done:done + new] + drafts[:max(done + new - seq.num_tokens, 0)]
         return ids
@@ -112,9 +117,11 @@ class SchedulerOutput:
     @property
     def logits_indices(self) -> list[int]:
         "Rows whose logits are needed: per sequence that samples, its last token's and its drafts'."
-        indices, end = [], 0
-        for new, drafts, samples in zip(self.num_new_tokens, self.spec_token_ids, self.do_sample):
-            end += new
+        ends = itertools.accumulate(self.num_new_tokens)       # where each sequence's rows end
+        if not any(self.spec_token_ids):                        # no drafts: one row per sequence
+            return [end - 1 for end, samples in zip(ends, self.do_sample) if samples]
+        indices = []
+        for end, drafts, samples in zip(ends, self.spec_token_ids, self.do_sample):
             if samples:
                 indices += range(end - 1 - len(drafts), end)
         return indices
@@ -157,11 +164,12 @@ class Scheduler:
         self.seqs: dict[int, Sequence] = {}   # every unfinished sequence, by id
         self.num_preemptions = 0
         self._preempted: list[int] = []       # preempted since the last schedule() returned
+        self._num_scheduled_tokens = 0        # in the batch that schedule() is building
         self._arrivals = itertools.count()
 
     def add(self, seq: Sequence):
         "Queue a request; refuse one that could never fit max_model_len or the whole KV pool."
-        bm, prompt_len = self.block_manager, seq.num_tokens
+        bm, prompt_len, params = self.block_manager, seq.num_tokens, seq.sampling_params
         if seq.seq_id in self.seqs:
             raise ValueError(f"a request with id {seq.seq_id} is already queued")
         if prompt_len >= self.max_model_len:
@@ -169,7 +177,7 @@ class Scheduler:
                              f"no room to generate within max_model_len={self.max_model_len}; "
                              "shorten the prompt or raise max_model_len")
         # the last token sampled never needs KV
-        total = min(prompt_len + seq.sampling_params.max_tokens, self.max_model_len)
+        total = min(prompt_len + params.max_tokens, self.max_model_len)
         num_blocks_needed = cdiv(total - 1, bm.block_size)
         if num_blocks_needed > bm.num_blocks:
             raise ValueError(f"request {seq.seq_id}: prompt ({prompt_len} tokens) + max_tokens "
@@ -177,6 +185,7 @@ class Scheduler:
                              f"{bm.num_blocks}; lower max_tokens, shorten the prompt, "
                              "or give the KV cache more memory")
         seq.arrival, seq.status = next(self._arrivals), SequenceStatus.WAITING
+        seq.stop_ids = params.stop_token_set(self.eos_token_ids)   # built once, read per token
         bisect.insort(self.waiting, seq, key=lambda s: s.urgency)
         self.seqs[seq.seq_id] = seq
 
@@ -201,7 +210,8 @@ class Scheduler:
             victim = max(self.running, key=lambda s: s.urgency, default=None)
             if victim is None or victim.urgency < seq.urgency:
                 return False                      # only less urgent ones give way
-            scheduled.pop(victim, None)           # its tokens leave this step's batch
+            # its tokens leave this step's batch
+            self._num_scheduled_tokens -= scheduled.pop(victim, 0)
             self._preempt(victim)
             if victim is seq:
                 return False
@@ -231,9 +241,10 @@ class Scheduler:
         "Pick this step's work within the token budget and sequence cap: running, then admissions."
         bm = self.block_manager
         scheduled: dict[Sequence, int] = {}   # sequence -> new tokens it computes this step
+        self._num_scheduled_tokens = 0
 
-        def budget() -> int:
-            return self.max_num_batched_tokens - sum(scheduled.values())
+        def budget() -> int:    # what is left of the token budget (a preemption gives some back)
+            return self.max_num_batched_tokens - self._num_scheduled_tokens
 
         def decodes_first(seq):
             return (seq.num_tokens - seq.num_computed_tokens > 1, seq.urgency)
@@ -249,6 +260,7 @@ class Scheduler:
             if num_new and self._make_room(seq, lambda: bm.can_append(seq, num_new), scheduled):
                 bm.append_slots(seq, num_new)
                 scheduled[seq] = num_new
+                self._num_scheduled_tokens += num_new
         # 2. admissions, most urgent first; the first that cannot be admitted stops the rest
         #    (no overtaking)
         while self.waiting and budget() > 0 and len(self.running) < self.max_num_seqs:
@@ -265,6 +277,7 @@ class Scheduler:
             # a recompute whose hits reach its last token has nothing to do before its decode
             if num_new := self._num_new_tokens(seq, budget()):
                 scheduled[seq] = num_new
+                self._num_scheduled_tokens += num_new
 
         order = sorted(scheduled, key=lambda s: scheduled[s] != 1)   # stable: decodes, then chunks
         num_new_tokens = [scheduled[seq] for seq in order]
@@ -299,11 +312,12 @@ class Scheduler:
     def _stop(self, seq: Sequence) -> str | None:
         "Why seq stops after its newest token, or None: a stop token, max_tokens, max_model_len."
         params, token = seq.sampling_params, seq.token_ids[-1]
-        past_min_tokens = seq.num_output_tokens > params.min_tokens
-        if past_min_tokens and token in params.stop_token_set(self.eos_token_ids):
+        num_tokens = len(seq.token_ids)           # read per sequence per token: no properties
+        num_output_tokens = num_tokens - seq.num_prompt_tokens
+        if num_output_tokens > params.min_tokens and token in seq.stop_ids:
             seq.stop_reason = token
             return 'stop'
-        if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+        if num_output_tokens >= params.max_tokens or num_tokens >= self.max_model_len:
             return 'length'
         return None
 

@@ -257,6 +257,47 @@ def test_step_abort_and_deltas(f64):
     assert eng.stats.kv_blocks_used == 0
 
 
+def test_final_only_reports_each_request_once_with_the_cumulative_answer(f64):
+    "output_kind='final_only': no output before a request ends, then the same as cumulative's last."
+    path, hf = f64
+    eng = LLM(path, block_size=4, kv_cache_memory=_pool(path, 64, 4)).engine
+    prompts = [[11, 12, 13, 14, 15], list(range(20, 33)), [7, 8]]
+    ids = {}
+    for kind in ('cumulative', 'final_only'):
+        for i, p in enumerate(prompts):
+            sp = SamplingParams(temperature=0, max_tokens=4 + 2 * i, output_kind=kind)
+            ids[eng.add_request(p, sp)] = (kind, i)
+    seen, final = {rid: 0 for rid in ids}, {}
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            seen[out.request_id] += 1
+            if out.finished:
+                final[ids[out.request_id]] = out
+    for i, p in enumerate(prompts):
+        last, only = final['cumulative', i], final['final_only', i]
+        assert only.token_ids == last.token_ids == hf_greedy(hf, p, 4 + 2 * i)
+        assert only.outputs[0].delta_token_ids == only.token_ids    # all of it, at once
+        assert only.finish_reason == last.finish_reason
+    assert all(seen[rid] == 1 for rid, (kind, _) in ids.items() if kind == 'final_only')
+    assert all(seen[rid] > 1 for rid, (kind, _) in ids.items() if kind == 'cumulative')
+    with pytest.raises(ValueError, match="output_kind must be one of"):
+        SamplingParams(output_kind='delta')
+
+
+def test_generate_asks_for_final_outputs_and_streams_still_get_deltas(f64):
+    "LLM.generate reads final outputs only; a stream beside it still gets its tokens step by step."
+    path, hf = f64
+    llm = LLM(path, block_size=4, kv_cache_memory=_pool(path, 64, 4))
+    stream = llm.stream_outputs([11, 12, 13], SamplingParams(temperature=0, max_tokens=6))
+    first = next(stream)
+    assert len(first.token_ids) == 1 and not first.finished
+    outs = llm.generate([[5, 6, 7], [9, 10]], SamplingParams(temperature=0, max_tokens=5),
+                        use_tqdm=False)
+    assert [o.token_ids for o in outs] == [hf_greedy(hf, p, 5) for p in ([5, 6, 7], [9, 10])]
+    rest = [out.outputs[0].delta_token_ids for out in stream]
+    assert first.token_ids + sum(rest, []) == hf_greedy(hf, [11, 12, 13], 6)
+
+
 def test_logprobs_match_transformers(f64):
     "logprobs=k: the raw top-k (and the chosen token) at every step, as transformers computes it."
     path, hf = f64
@@ -530,7 +571,7 @@ def test_engine_config_is_what_llm_and_the_engine_keep(f64):
     llm = LLM(path, block_size=4, kv_cache_memory=1 << 20, max_num_batched_tokens=32)
     assert llm.engine.config == EngineConfig(block_size=4, kv_cache_memory=1 << 20,
                                              max_num_batched_tokens=32)
-    assert llm.engine.config.num_seqs == 32 and llm.engine.scheduler.max_num_seqs == 32
+    assert llm.engine.scheduler.max_num_seqs == 32    # no more sequences than tokens a step
     config = EngineConfig(block_size=8, kv_cache_memory=1 << 20)
     assert LLM(path, config, max_model_len=64).engine.config == config.updated(max_model_len=64)
     with pytest.raises(TypeError, match="max_model_len"):
@@ -577,6 +618,26 @@ def test_gpu_memory_utilization_composes():
     _start(gpu, most - 0.01)
 
 
+@pytest.mark.parametrize("device_type,total_gib,name,want", [
+    ('cpu', 0, '', (2048, 256)),
+    ('cuda', 80, 'NVIDIA H100 80GB HBM3', (16384, 1024)),
+    ('cuda', 141, 'NVIDIA H200', (16384, 1024)),
+    ('cuda', 80, 'NVIDIA A100-SXM4-80GB', (8192, 256)),     # vLLM keeps the A100 at the smaller
+    ('cuda', 24, 'NVIDIA L4', (8192, 256))])
+def test_batch_defaults_follow_the_device(device_type, total_gib, name, want):
+    "Unset batch limits: vLLM's LLM-class defaults by GPU memory and name; the CPU's own."
+    from petite_llm.engine_config import batch_defaults
+    assert batch_defaults(device_type, total_gib * 2**30, name) == want
+
+
+def test_batch_limits_given_win_and_seqs_never_exceed_tokens():
+    "A given limit is kept; max_num_seqs defaults to no more than max_num_batched_tokens."
+    from petite_llm.engine_config import EngineConfig
+    assert EngineConfig().batch_limits('cpu') == (2048, 256)
+    assert EngineConfig(max_num_batched_tokens=64).batch_limits('cpu') == (64, 64)
+    assert EngineConfig(max_num_seqs=8).batch_limits('cpu') == (2048, 8)
+
+
 def test_too_little_room_names_the_sizes_and_the_fix():
     from petite_llm.engine_config import gpu_kv_cache_budget
     with pytest.raises(ValueError, match=r"weights take 30.00 GiB.*raise gpu_memory_utilization"):
@@ -592,7 +653,7 @@ def test_engine_sizes_its_pool_before_allocating(f64, monkeypatch):
     allocated = []
     monkeypatch.setattr(runner, 'allocate_kv_cache', lambda *a: allocated.append(a))
 
-    def refuse(models, utilization):
+    def refuse(models, utilization, max_num_batched_tokens, max_num_seqs):
         raise ValueError("the KV cache would take more than is free")
     monkeypatch.setattr(engine_config, 'default_kv_cache_memory', refuse)
     with pytest.raises(ValueError, match="more than is free"):
