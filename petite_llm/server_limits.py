@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 # %% auto 0
-__all__ = ['ServerLimits', 'chars_per_byte', 'prompt_char_bound', 'guarded_tokenizer', 'BodyLimit', 'add_limit_args', 'limits_from_args']
+__all__ = ['CHARS_PER_BYTE', 'ServerLimits', 'prompt_char_bound', 'guarded_tokenizer', 'BodyLimit', 'add_limit_args', 'limits_from_args']
 
 # %% ../nbs/16_server.ipynb #51117a35
 import argparse
 import copy
-import unicodedata
 from dataclasses import dataclass, fields
-from functools import cache
 
 from fastapi import HTTPException
 
@@ -51,13 +49,9 @@ _DECOMPOSED = {'NFC': 'NFD', 'NFD': 'NFD', 'NFKC': 'NFKD', 'NFKD': 'NFKD'}
 # the bytes UTF-8 text can hold: all but 0xC0, 0xC1 and 0xF5..0xFF
 _UTF8_BYTES = [b for b in range(256) if b not in (0xC0, 0xC1) and b < 0xF5]
 
-@cache
-def chars_per_byte(form: str | None) -> float:
-    "Most code points per UTF-8 byte of one character, once decomposed by form (None: as it is)."
-    if form is None:
-        return 1.0                          # every character takes at least one byte
-    return max(len(unicodedata.normalize(form, chr(c))) / len(chr(c).encode())
-               for c in range(0x110000) if not 0xD800 <= c < 0xE000)   # surrogates: no UTF-8
+# most code points per UTF-8 byte of one character once decomposed by a form (None: as it is,
+# at least one byte a character); chapter 16 scans every code point for them (Unicode 14.0)
+CHARS_PER_BYTE = {None: 1.0, 'NFD': 1.5, 'NFKD': 6.0}
 
 def _parts(component) -> list:
     "A tokenizers normalizer or pre-tokenizer as a list: a Sequence's members, or itself."
@@ -83,7 +77,7 @@ def prompt_char_bound(tokenizer, max_model_len: int) -> int | None:
         return None                 # a token that swallows spaces, a byte with no token
     # a byte-level token is spelled with one character per byte
     longest = max([len(spelling) for spelling in vocab] + [len(t.content.encode()) for t in added])
-    per_byte = chars_per_byte(_DECOMPOSED[forms[0]] if forms else None)
+    per_byte = CHARS_PER_BYTE[_DECOMPOSED[forms[0]] if forms else None]
     return int(max_model_len * longest * per_byte)
 
 # %% ../nbs/16_server.ipynb #bc1c8c10

@@ -23,7 +23,7 @@ from petite_llm.bench_serve import free_port
 from petite_llm.engine import LLMEngine
 from petite_llm.paging import check_block_accounting
 from petite_llm.server import build_app
-from petite_llm.server_limits import (ServerLimits, add_limit_args, chars_per_byte,
+from petite_llm.server_limits import (CHARS_PER_BYTE, ServerLimits, add_limit_args,
                                       limits_from_args, prompt_char_bound)
 from petite_llm.tokenizer import Tokenizer
 from test_server_http import MAX_LEN, NAME, write_checkpoint
@@ -248,7 +248,7 @@ def test_the_character_bound_holds_on_qwen3s_tokenizer():
     "No text over the bound fits in the tokens: the longest token over and over, composed accents."
     tok = Tokenizer.from_pretrained(qwen3_tokenizer.qwen3_tokenizer_dir())
     per_token = prompt_char_bound(tok, 1)            # characters per token, at most
-    assert per_token == int(128 * chars_per_byte("NFD"))      # Qwen3: NFC, 128 spaces a token
+    assert per_token == int(128 * CHARS_PER_BYTE["NFD"])      # Qwen3: NFC, 128 spaces a token
     texts = [" " * 128 * 50, "u\u0308\u0304" * 400, "\u1100\u1161\u11a8" * 300,
              "Hello, world! " * 100, "<|im_start|>" * 30]
     for text in texts:
