@@ -318,7 +318,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
       help="which figures, comma-separated: throughput (against transformers), launches "
            "(kernels per layer), host (the engine's host work); default all three")
     a('--out', nargs='?', const='images',
-      help='write bench.json and bench_tok_s.png into this folder (default images/)')
+      help='write bench.json and bench_tok_s.png into this folder (default images/); '
+           'with --only and no throughput, bench_engine.json')
     return parser
 
 def run(args) -> dict:
@@ -348,7 +349,9 @@ def run(args) -> dict:
         if args.out:
             out = Path(args.out)
             out.mkdir(parents=True, exist_ok=True)
-            (out/'bench.json').write_text(json.dumps(res, indent=2))
+            # the engine's figures alone never replace a saved throughput run
+            name = 'bench.json' if 'throughput' in only else 'bench_engine.json'
+            (out/name).write_text(json.dumps(res, indent=2))
             if 'throughput' in only:
                 plot_results(res, out/'bench_tok_s.png')
     if 'throughput' in only:

@@ -93,7 +93,8 @@ def test_only_the_engines_own_figures_in_seconds(tmp_path, capsys):
     assert set(res) == {'engine'} and 'launches_per_layer' not in res['engine']
     assert res['engine']['host_us_per_seq_step']['batch'] == 256
     assert res['engine']['host_ms_lone_step']['value'] > 0
-    assert json.loads((tmp_path/'bench.json').read_text()) == json.loads(json.dumps(res))
+    assert not (tmp_path/'bench.json').exists()     # a saved throughput run is left alone
+    assert json.loads((tmp_path/'bench_engine.json').read_text()) == json.loads(json.dumps(res))
     with pytest.raises(ValueError, match='unknown --only'):
         run(_parse('--only', 'host,speed'))
 
