@@ -43,9 +43,9 @@ class AttentionMetadata:
         done = np.asarray(num_computed_tokens, dtype=np.int64)                       # [B]
         context_lens = done + new
         table_lens = np.fromiter(map(len, block_tables), dtype=np.int64, count=num_seqs)
-        too_short = np.flatnonzero(table_lens * block_size < context_lens)
-        if len(too_short):
-            i = too_short[0]
+        too_short = table_lens * block_size < context_lens
+        if too_short.any():
+            i = int(too_short.argmax())
             raise ValueError(f"sequence {i}: block table of {table_lens[i]} blocks "
                              f"cannot hold {context_lens[i]} tokens")
         width = max(int(table_lens.max(initial=0)), 1)
@@ -61,18 +61,19 @@ class AttentionMetadata:
         block_ids = tables[seq_of_token, positions // block_size].astype(np.int64)
         slot_mapping = block_ids * block_size + positions % block_size
         # decodes come first: count the leading sequences with exactly one new token
-        not_decode = np.flatnonzero(new != 1)
-        num_decodes = int(not_decode[0]) if len(not_decode) else num_seqs
+        not_decode = new != 1
+        num_decodes = int(not_decode.argmax()) if not_decode.any() else num_seqs
+        on_host = device is None or torch.device(device).type == 'cpu'
 
-        def to_device(x: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
-            x = torch.from_numpy(x).to(dtype)
-            return x.to(device, non_blocking=True) if device is not None else x
+        def to_device(x: np.ndarray, dtype: np.dtype) -> torch.Tensor:
+            x = torch.from_numpy(x.astype(dtype, copy=False))
+            return x if on_host else x.to(device, non_blocking=True)
 
-        return cls(slot_mapping=to_device(slot_mapping, torch.long),
-                   block_tables=to_device(tables, torch.int32),
-                   context_lens=to_device(context_lens, torch.int32),
-                   query_start_loc=to_device(query_start_loc, torch.int32),
-                   positions=to_device(positions, torch.long),
+        return cls(slot_mapping=to_device(slot_mapping, np.int64),
+                   block_tables=to_device(tables, np.int32),
+                   context_lens=to_device(context_lens, np.int32),
+                   query_start_loc=to_device(query_start_loc, np.int32),
+                   positions=to_device(positions, np.int64),
                    num_decodes=num_decodes,
                    max_query_len=int(new.max(initial=0)),
                    max_context_len=int(context_lens.max(initial=0)),
