@@ -19,7 +19,7 @@ from .loading import get_attention_backend, load_engine_model, read_generation_c
 from .outputs import (EngineStats, OutputProcessor, RequestOutput, SpecDecodingStats,
                                 merge_outputs)
 from .paging import BlockManager
-from .runner import ModelRunner, compile_model
+from .runner import ModelRunner, ModelRunnerOutput, StepInFlight, compile_model
 from .sampling import SamplingParams
 from .scheduler import Scheduler, SchedulerOutput, Sequence
 from .speculative import SpeculativeConfig, Speculator, load_draft_model
@@ -60,7 +60,8 @@ class LLMEngine:
         self.block_manager = BlockManager(sizes.num_blocks, config.block_size,
                                           config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, sizes.max_num_batched_tokens,
-                                   sizes.max_num_seqs, sizes.max_model_len, self.eos_token_ids)
+                                   sizes.max_num_seqs, sizes.max_model_len, self.eos_token_ids,
+                                   config.async_scheduling)
         self.speculator = None
         if spec_config is not None:
             # the draft gets a backend of its own: a backend keeps per-model buffers
@@ -78,6 +79,7 @@ class LLMEngine:
         self._steps = self._prompt_tokens = self._generated_tokens = 0
         self._busy = 0.0
         self.spec_stats = SpecDecodingStats()      # over every request
+        self._in_flight: StepInFlight | None = None   # launched, not resolved (async scheduling)
 
     def _attention_backend(self) -> AttentionBackend:
         "A new backend of the configured kind for this engine's device."
@@ -182,11 +184,13 @@ class LLMEngine:
         return True
 
     def has_unfinished_requests(self) -> bool:
-        "True while a request is queued or running, or an abort is still to be reported."
-        return self.output_processor.has_unfinished_requests()
+        "True while a request is queued or running, an abort is to be reported, or a step is out."
+        return self.output_processor.has_unfinished_requests() or self._in_flight is not None
 
     def step(self) -> list[RequestOutput]:
         "One forward pass; an output for each request that got tokens, finished or was aborted."
+        if self.config.async_scheduling:
+            return self._step_overlapped()
         if not self.scheduler.has_unfinished_requests():
             return self.output_processor.process()
         start = time.perf_counter()
@@ -196,10 +200,15 @@ class LLMEngine:
         if len(scheduled) == 0:
             return self.output_processor.process()
         result = self.runner.run(scheduled)
-        self._prompt_tokens += _num_prompt_tokens(scheduled)     # before update moves them on
-        num_tokens = sum(seq.num_tokens for seq in result.seqs)
+        self._prompt_tokens += _num_prompt_tokens(scheduled)
+        return self._finish_step(scheduled, result, start)
+
+    def _finish_step(self, scheduled: SchedulerOutput, result: ModelRunnerOutput,
+                     start: float) -> list[RequestOutput]:
+        "A step's tokens into the scheduler, the counters and the requests' outputs."
+        num_tokens = sum(len(seq.token_ids) for seq in result.seqs)
         self.scheduler.update(scheduled, result.token_ids)
-        self._generated_tokens += sum(seq.num_tokens for seq in result.seqs) - num_tokens
+        self._generated_tokens += sum(len(seq.token_ids) for seq in result.seqs) - num_tokens
         for token_ids, num_drafts in zip(result.token_ids, result.num_draft_tokens):
             if num_drafts:
                 self.spec_stats.record(num_drafts, len(token_ids) - 1)
@@ -207,6 +216,29 @@ class LLMEngine:
         self._steps += 1
         self._busy += time.perf_counter() - start
         return outputs
+
+    def _step_overlapped(self) -> list[RequestOutput]:
+        "Async scheduling: launch the next step, then resolve the one in flight; its outputs."
+        start = time.perf_counter()
+        prev, self._in_flight = self._in_flight, None
+        overlap = self._can_overlap()
+        if prev is not None and not overlap:
+            # a sampler that reads token values: the next step waits for these on the host
+            return self._finish_step(prev.scheduled, self.runner.resolve(prev), start)
+        scheduled = self.scheduler.schedule() if self.scheduler.has_unfinished_requests() else []
+        if len(scheduled):
+            self._prompt_tokens += _num_prompt_tokens(scheduled)
+            if not overlap:                 # nothing in flight: this step runs serially
+                return self._finish_step(scheduled, self.runner.run(scheduled), start)
+            self._in_flight = self.runner.launch(scheduled, prev)
+        if prev is None:
+            self._busy += time.perf_counter() - start
+            return self.output_processor.process()
+        return self._finish_step(prev.scheduled, self.runner.resolve(prev), start)
+
+    def _can_overlap(self) -> bool:
+        "Whether a step may launch before the host has the tokens of the one in flight."
+        return all(_overlap_safe(seq.sampling_params) for seq in self.scheduler.seqs.values())
 
     @property
     def stats(self) -> EngineStats:
@@ -223,9 +255,17 @@ def _is_token_id(t, vocab_size: int) -> bool:
 
 def _num_prompt_tokens(scheduled: SchedulerOutput) -> int:
     "Tokens that are not decodes (nor drafts): prompt chunks, and recomputes after preemption."
-    # read before update(): a decode is a step that starts at the sequence's last token
-    return sum(num_new for seq, num_new in zip(scheduled.seqs, scheduled.num_new_tokens)
-               if not seq.is_decoding)
+    # a decode starts at the sequence's last token, an output token, and samples after its drafts
+    rows = zip(scheduled.seqs, scheduled.num_computed_tokens, scheduled.num_new_tokens,
+               scheduled.spec_token_ids, scheduled.do_sample)
+    return sum(new for seq, done, new, drafts, samples in rows
+               if not (samples and new == 1 + len(drafts) and done >= seq.num_prompt_tokens))
+
+def _overlap_safe(p: SamplingParams) -> bool:
+    "A sampler that reads only how many tokens a sequence has: no penalty, no logprobs."
+    # seeded draws and min_tokens read the output position, which counts the pending tokens
+    return (p.repetition_penalty == 1.0 and p.presence_penalty == 0
+            and p.frequency_penalty == 0 and p.logprobs is None)
 
 # %% ../nbs/14_engine.ipynb #dd9ab168
 def _is_token_ids(p) -> bool:

@@ -38,6 +38,12 @@ class EngineConfig:
     enforce_eager: bool = False               # no CUDA graphs
     enable_torch_compile: bool = False        # the small ops compiled (CPU)
     speculative_config: dict | None = None    # chapter 15, vLLM's keys
+    async_scheduling: bool = False            # schedule step n+1 while step n runs
+
+    def __post_init__(self):
+        if self.async_scheduling and self.speculative_config is not None:
+            raise ValueError("async_scheduling=True cannot run with speculative_config: a verify "
+                             "step needs its drafts' tokens on the host; turn one of them off")
 
     def updated(self, **options) -> EngineConfig:
         "A copy with these options changed; an unknown name is a TypeError that lists the known."

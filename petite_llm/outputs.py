@@ -183,7 +183,10 @@ class OutputProcessor:
         rows = [] if result is None else zip(result.seqs, result.token_ids, result.logprobs,
                                              result.num_draft_tokens)
         for seq, token_ids, logprobs, num_drafts in rows:
-            req, index = self._seq_owner[seq.seq_id]
+            owner = self._seq_owner.get(seq.seq_id)
+            if owner is None:
+                continue      # ended while its step was in flight (async scheduling): dropped
+            req, index = owner
             if num_drafts:
                 req.metrics.record(num_drafts, len(token_ids) - 1)
             # update() appended the tokens up to a stop; those after it are not emitted

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 # %% auto 0
-__all__ = ['OPAQUE_ATTENTION', 'ModelRunnerOutput', 'ModelRunner', 'cuda_graph_batch_sizes', 'capture_cuda_graph', 'CUDAGraphs', 'step_attention', 'OpaqueAttention', 'compile_model', 'run_compiled']
+__all__ = ['OPAQUE_ATTENTION', 'ModelRunnerOutput', 'ModelRunner', 'StepInFlight', 'cuda_graph_batch_sizes', 'capture_cuda_graph', 'CUDAGraphs', 'step_attention', 'OpaqueAttention', 'compile_model', 'run_compiled']
 
 # %% ../nbs/14_engine.ipynb #e683d599
 import os
@@ -84,15 +84,19 @@ class ModelRunner:
         "A list of ints as a long tensor on the model's device."
         return torch.tensor(values, dtype=torch.long).to(self.device, non_blocking=True)
 
-    @torch.inference_mode()
-    def run(self, scheduled: SchedulerOutput) -> ModelRunnerOutput:
-        "One forward pass over the scheduled tokens; logits and a token for each row that samples."
-        input_ids, positions, attn_metadata, logits_indices = self.prepare(scheduled)
+    def _logits(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                attn_metadata: AttentionMetadata, logits_indices: torch.Tensor) -> torch.Tensor:
+        "The forward pass (a CUDA graph when one covers it) and the logits of the rows: [R, V]."
         if self.cuda_graphs is not None and self.cuda_graphs.can_replay(attn_metadata):
             hidden = self.cuda_graphs.replay(input_ids, attn_metadata)     # [T, H]
         else:
             hidden = self.forward(input_ids, positions, attn_metadata)     # [T, H]
-        logits = self.model.compute_logits(hidden[logits_indices])        # [R, V]
+        return self.model.compute_logits(hidden[logits_indices])          # [R, V]
+
+    @torch.inference_mode()
+    def run(self, scheduled: SchedulerOutput) -> ModelRunnerOutput:
+        "One forward pass over the scheduled tokens; logits and a token for each row that samples."
+        logits = self._logits(*self.prepare(scheduled))                   # [R, V]
         seqs = scheduled.sampling_seqs
         if any(scheduled.spec_token_ids):
             # chapter 15: rejection sampling over the rows of the drafts
@@ -110,6 +114,64 @@ class ModelRunner:
             token_ids, logprobs = sampled.token_ids, sampled.logprobs
         return ModelRunnerOutput(seqs, [[t] for t in token_ids], [[lp] for lp in logprobs],
                                  logits, [0] * len(seqs))
+
+    @torch.inference_mode()
+    def launch(self, scheduled: SchedulerOutput, prev: StepInFlight | None = None) -> StepInFlight:
+        "Queue a step without a device sync; its decodes' pending tokens come from prev's tensor."
+        # async scheduling: every sequence that samples reads only the count of its tokens
+        input_ids, positions, attn_metadata, logits_indices = self.prepare(scheduled)
+        if prev is not None:
+            # decodes of a token prev sampled: a placeholder in input_ids, filled on the device
+            rows, src = [], []
+            for i in range(scheduled.num_decodes):
+                seq = scheduled.seqs[i]
+                if scheduled.num_computed_tokens[i] == len(seq.token_ids):
+                    rows.append(i)
+                    src.append(prev.rows[seq.seq_id])
+            if rows:
+                input_ids[self._as_tensor(rows)] = prev.token_ids[self._as_tensor(src)]
+        logits = self._logits(input_ids, positions, attn_metadata, logits_indices)   # [S, V]
+        seqs = scheduled.sampling_seqs
+        params = [seq.sampling_params for seq in seqs]
+        # each one's output position: its tokens out and pending, less the one it samples now
+        num_out = [seq.num_output_tokens + seq.num_pending - 1 for seq in seqs]
+        if all(p.greedy and n >= p.min_tokens for p, n in zip(params, num_out)):
+            token_ids = logits.float().argmax(-1)                          # [S]
+        else:
+            # with no penalty the sampler reads only len(output_ids): ranges of the right length
+            output_ids = [range(n) for n in num_out]
+            probs = self.sampler.probs(logits, params, [seq.prompt_token_ids for seq in seqs],
+                                       output_ids, [seq.stop_ids for seq in seqs])
+            token_ids = self.sampler.sample(probs, params, output_ids)     # [S]
+        copied = None
+        host_token_ids = token_ids
+        if token_ids.is_cuda:
+            # the copy to the host goes now, so that resolving waits for this step, not the next
+            host_token_ids = torch.empty(token_ids.shape, dtype=token_ids.dtype, pin_memory=True)
+            host_token_ids.copy_(token_ids, non_blocking=True)
+            copied = torch.cuda.Event()
+            copied.record()
+        return StepInFlight(scheduled, seqs, {seq.seq_id: r for r, seq in enumerate(seqs)},
+                            token_ids, logits, host_token_ids, copied)
+
+    def resolve(self, step: StepInFlight) -> ModelRunnerOutput:
+        "Wait for a launched step's tokens (its one sync) and return them as run() would."
+        if step.copied is not None:
+            step.copied.synchronize()
+        token_ids = step.host_token_ids.tolist()
+        return ModelRunnerOutput(step.seqs, [[t] for t in token_ids],
+                                 [[None] for _ in token_ids], step.logits, [0] * len(token_ids))
+
+@dataclass
+class StepInFlight:
+    "A step launched on the device whose tokens the host has not read yet (async scheduling)."
+    scheduled: SchedulerOutput
+    seqs: list[Sequence]                    # [S] the sequences that sample, in row order
+    rows: dict[int, int]                    # seq_id -> its row in token_ids
+    token_ids: torch.Tensor                 # [S] sampled, on the device
+    logits: torch.Tensor                    # [S, V]
+    host_token_ids: torch.Tensor            # [S] their copy on the host (pinned, under way on CUDA)
+    copied: torch.cuda.Event | None         # recorded after that copy on CUDA; else None
 
 def _plain_greedy(p: SamplingParams, seq: Sequence) -> bool:
     "Greedy, nothing that could move the argmax (penalties, an unmet min_tokens), no logprobs."

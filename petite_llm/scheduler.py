@@ -40,6 +40,7 @@ class Sequence:
         self.num_cached_tokens = 0     # of those, found in the prefix cache at the last admission
         self.block_table: list[int] = []
         self.spec_token_ids: list[int] = []   # drafts its next decode verifies (chapter 15)
+        self.num_pending = 0           # sampled by a step in flight, not appended yet (async)
         self.stop_ids: set[int] = set()   # eos and stop token ids, set by Scheduler.add
         self.arrival = -1              # set by Scheduler.add: first come, first served
         self.status = SequenceStatus.WAITING
@@ -49,7 +50,7 @@ class Sequence:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.token_ids)
+        return len(self.token_ids) + self.num_pending
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -71,7 +72,8 @@ class Sequence:
     @property
     def is_decoding(self) -> bool:
         "True when its next step is a decode: it has output tokens and only the last is uncomputed."
-        num_tokens = len(self.token_ids)        # read per sequence per step: no nested properties
+        # read per sequence per step: no nested properties
+        num_tokens = len(self.token_ids) + self.num_pending
         return num_tokens > self.num_prompt_tokens and self.num_computed_tokens == num_tokens - 1
 
     def __repr__(self):
@@ -108,7 +110,9 @@ class SchedulerOutput:
         rows = zip(self.seqs, self.num_computed_tokens, self.num_new_tokens, self.spec_token_ids)
         for seq, done, new, drafts in rows:
             if new == 1 and not drafts:
-                ids.append(seq.token_ids[done])   # a decode, the common case: one token
+                # a decode, the common case: one token; a placeholder while it is pending (async)
+                token_ids = seq.token_ids
+                ids.append(token_ids[done] if done < len(token_ids) else 0)
                 continue
             # a step that runs past the last token runs the drafts after it
             ids += seq.token_ids[done:done + new] + drafts[:max(done + new - seq.num_tokens, 0)]
@@ -149,7 +153,8 @@ class SchedulerStats:
 class Scheduler:
     "Continuous batching over a BlockManager: chunked prefill, preemption by recompute, priorities."
     def __init__(self, block_manager: BlockManager, max_num_batched_tokens: int = 2048,
-                 max_num_seqs: int = 256, max_model_len: int = 4096, eos_token_ids=()):
+                 max_num_seqs: int = 256, max_model_len: int = 4096, eos_token_ids=(),
+                 async_scheduling: bool = False):
         if max_num_seqs < 1 or max_num_batched_tokens < max_num_seqs:
             raise ValueError(f"need 1 <= max_num_seqs <= max_num_batched_tokens, "
                              f"got max_num_seqs={max_num_seqs}, "
@@ -159,6 +164,8 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
         self.max_model_len, self.eos_token_ids = max_model_len, tuple(eos_token_ids)
+        # schedule() may run again before update() has the tokens of the step it built
+        self.async_scheduling = async_scheduling
         self.waiting: list[Sequence] = []     # most urgent first
         self.running: list[Sequence] = []
         self.seqs: dict[int, Sequence] = {}   # every unfinished sequence, by id
@@ -256,6 +263,8 @@ class Scheduler:
                 break
             if seq.status is not SequenceStatus.RUNNING:
                 continue                          # preempted a moment ago
+            if seq.num_pending and self._ends_at_length(seq):
+                continue                          # its pending token is its last
             num_new = self._num_new_tokens(seq, budget())
             if num_new and self._make_room(seq, lambda: bm.can_append(seq, num_new), scheduled):
                 bm.append_slots(seq, num_new)
@@ -285,10 +294,21 @@ class Scheduler:
         spec_token_ids = [list(seq.spec_token_ids) if seq.is_decoding else [] for seq in order]
         do_sample = [done + new == seq.num_tokens + len(drafts) for seq, done, new, drafts
                      in zip(order, num_computed_tokens, num_new_tokens, spec_token_ids)]
+        if self.async_scheduling:
+            # advanced now, not in update(): the next schedule() may come first
+            for seq, new, samples in zip(order, num_new_tokens, do_sample):
+                seq.num_computed_tokens += new
+                seq.num_pending += samples        # a placeholder for the token it will sample
         preempted, self._preempted = self._preempted, []
         return SchedulerOutput(order, num_new_tokens, num_computed_tokens, spec_token_ids,
                                do_sample, num_decodes=sum(new == 1 for new in num_new_tokens),
                                preempted_ids=preempted)
+
+    def _ends_at_length(self, seq: Sequence) -> bool:
+        "True when seq's tokens, its pending one counted, reach max_tokens or max_model_len."
+        num_tokens = seq.num_tokens
+        return (num_tokens - seq.num_prompt_tokens >= seq.sampling_params.max_tokens
+                or num_tokens >= self.max_model_len)
 
     def reserve(self, seq: Sequence, num_tokens: int) -> bool:
         "Slots for seq's next num_tokens tokens before schedule(), preempting less urgent ones."
@@ -331,9 +351,14 @@ class Scheduler:
         rows = zip(out.seqs, out.num_computed_tokens, out.num_new_tokens, out.spec_token_ids,
                    out.do_sample)
         for seq, done, new, drafts, samples in rows:
-            if seq.status is not SequenceStatus.RUNNING:
+            if self.async_scheduling:
+                seq.num_pending -= samples        # schedule() advanced num_computed_tokens
+                if seq.status is SequenceStatus.FINISHED:
+                    continue                      # stopped (or aborted) since: token dropped
+            elif seq.status is not SequenceStatus.RUNNING:
                 continue                          # aborted or finished since schedule()
-            seq.num_computed_tokens = done + new
+            else:
+                seq.num_computed_tokens = done + new
             reason = None
             if samples:
                 tokens = sampled[seq.seq_id]
@@ -347,7 +372,10 @@ class Scheduler:
                     reason = self._stop(seq)
                     if reason:
                         break
-            self.block_manager.commit(seq)        # hash only now: these tokens are computed
+            if seq.status is SequenceStatus.RUNNING:
+                # hash only now: these tokens are computed (a preempted sequence holds no blocks,
+                # but keeps the token it sampled before: async mode)
+                self.block_manager.commit(seq)
             if reason:
                 self._finish(seq, reason)
                 finished.append(seq)

@@ -17,21 +17,23 @@ class FakeModel:
         block = seq.block_table[position // self.block_size]
         return block * self.block_size + position % self.block_size
 
-    def step(self, out: SchedulerOutput) -> dict[int, list[int]]:
+    def step(self, out: SchedulerOutput, pending=None) -> dict[int, list[int]]:
         "One step: store the new tokens, check what each sampling sequence reads, verify, sample."
+        # pending: {seq id: [token]} sampled by the step before, not appended yet (async mode)
         sampled = {}
         rows = zip(out.seqs, out.num_computed_tokens, out.num_new_tokens, out.spec_token_ids,
                    out.do_sample)
         for seq, done, new, drafts, samples in rows:
             assert len(seq.block_table) * self.block_size >= done + new, f"seq {seq.seq_id}"
-            tokens = seq.token_ids + drafts       # what this step's positions hold
+            known = seq.token_ids + (pending or {}).get(seq.seq_id, [])
+            tokens = known + drafts               # what this step's positions hold
             for p in range(done, done + new):
                 self.slots[self.slot(seq, p)] = (tokens[p], p)
             if samples:
                 context = [self.slots.get(self.slot(seq, p)) for p in range(done + new)]
                 expected = [(t, p) for p, t in enumerate(tokens)]
                 assert context == expected, f"seq {seq.seq_id} reads a corrupted context"
-                sampled[seq.seq_id] = self.verify(seq.token_ids, drafts)
+                sampled[seq.seq_id] = self.verify(known, drafts)
         return sampled
 
     def verify(self, token_ids, drafts) -> list[int]:

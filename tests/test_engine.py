@@ -659,3 +659,141 @@ def test_engine_sizes_its_pool_before_allocating(f64, monkeypatch):
     with pytest.raises(ValueError, match="more than is free"):
         LLMEngine(model, gpu_memory_utilization=0.5)
     assert allocated == []
+
+
+# --- async scheduling: step n+1 scheduled and launched before step n's tokens are on the host ---
+
+def _both(path, **kw):
+    "The same engine options, with async scheduling off and on."
+    return LLM(path, **kw), LLM(path, async_scheduling=True, **kw)
+
+def _ids(outs):
+    return [[c.token_ids for c in o.outputs] for o in outs]
+
+
+@pytest.mark.parametrize("block_size,budget", [(16, 8), (1, 2048), (4, 8)])
+def test_async_greedy_parity_f64(f64, block_size, budget):
+    "16 prompts, chunked prefill, any block size: async tokens == transformers == async off."
+    path, hf = f64
+    off, on = _both(path, block_size=block_size, max_num_batched_tokens=budget,
+                    kv_cache_memory=_pool(path, 4096 // block_size, block_size))
+    prio = [i % 3 for i in range(16)]
+    want = _check_greedy(off, hf, _prompts(0), _max_tokens(0), priority=prio)
+    got = _check_greedy(on, hf, _prompts(0), _max_tokens(0), priority=prio)
+    assert _ids(got) == _ids(want)
+    s = on.stats
+    assert s.kv_blocks_used == 0 and s.num_running == s.num_waiting == 0
+    assert not on.engine.has_unfinished_requests()
+    assert s.num_generated_tokens == off.stats.num_generated_tokens
+    assert s.num_prompt_tokens == off.stats.num_prompt_tokens
+
+
+def test_async_prefix_hits_and_preemption_f64(f64):
+    "Shared prefixes hit the cache, and a 24-block pool preempts: async tokens == transformers."
+    path, hf = f64
+    on = LLM(path, block_size=4, max_num_batched_tokens=48, kv_cache_memory=_pool(path, 512, 4),
+             async_scheduling=True)
+    prompts, mt = _prompts(1, shared=40), _max_tokens(1)
+    _check_greedy(on, hf, prompts, mt, priority=[(i * 7) % 4 for i in range(16)])
+    _check_greedy(on, hf, prompts, mt)
+    assert on.engine.block_manager.num_hit_tokens >= 40
+    tiny = LLM(path, block_size=4, max_num_batched_tokens=64, kv_cache_memory=_pool(path, 24, 4),
+               async_scheduling=True)
+    _check_greedy(tiny, hf, _prompts(0), [12] * 16, priority=[(i * 5) % 3 for i in range(16)])
+    assert tiny.stats.num_preemptions > 0 and tiny.stats.kv_blocks_used == 0
+
+
+def test_async_stops_at_random_points_f64(f64):
+    "Stop tokens met mid-flight: the step already launched after them emits nothing."
+    path, hf = f64
+    off, on = _both(path, block_size=4, max_num_batched_tokens=32,
+                    kv_cache_memory=_pool(path, 40, 4))
+    prompts, rng = _prompts(5), random.Random(5)
+    full = [hf_greedy(hf, p, 12) for p in prompts]
+    sps = [SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[rng.choice(ids)])
+           for ids in full]
+    want = off.generate(prompts, sps, use_tqdm=False)
+    got = on.generate(prompts, sps, use_tqdm=False)
+    assert _ids(got) == _ids(want)
+    for o, ids, sp in zip(got, full, sps):
+        stop = sp.stop_token_ids[0]
+        assert o.token_ids == ids[:ids.index(stop) + 1]
+        assert o.finish_reason == 'stop' and o.outputs[0].stop_reason == stop
+    assert on.stats.kv_blocks_used == 0
+
+
+def test_async_seeded_samples_and_the_unsafe_case_f64(f64):
+    "n > 1 seeded, min_tokens, and a penalty (run serially) in one batch: the tokens of async off."
+    path, hf = f64
+    off, on = _both(path, block_size=4, max_num_batched_tokens=64,
+                    kv_cache_memory=_pool(path, 48, 4))
+    prompts = _prompts(6)[:8]
+    sps = [SamplingParams(n=3, temperature=0.9, top_k=50, top_p=0.95, seed=7 + i, max_tokens=10,
+                          min_tokens=3) for i in range(8)]
+    want = off.generate(prompts, sps, use_tqdm=False)
+    got = on.generate(prompts, sps, use_tqdm=False)
+    assert _ids(got) == _ids(want) and on.stats.num_preemptions > 0
+    sps[3] = replace(sps[3], repetition_penalty=1.3)       # not safe to overlap
+    assert _ids(on.generate(prompts, sps, use_tqdm=False)) == \
+        _ids(off.generate(prompts, sps, use_tqdm=False))
+
+
+def test_async_abort_mid_flight(f64):
+    "A request aborted while its step is out: reported once as aborted; the other runs on exactly."
+    path, hf = f64
+    eng = LLM(path, block_size=4, kv_cache_memory=_pool(path, 64, 4), async_scheduling=True).engine
+    keep = eng.add_request([11, 12, 13, 14, 15], SamplingParams(temperature=0, max_tokens=9),
+                           priority=1)
+    drop = eng.add_request(list(range(20, 50)), SamplingParams(temperature=0, max_tokens=9))
+    assert eng.step() == []                       # the first step is launched, not resolved
+    deltas, final, aborted = [], {}, False
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            if out.request_id == keep:
+                deltas += out.outputs[0].delta_token_ids
+            if out.finished:
+                assert out.request_id not in final
+                final[out.request_id] = out
+        if eng.stats.num_steps == 2 and not aborted:
+            assert eng._in_flight is not None
+            assert eng.abort(drop)
+            aborted = True
+    assert final[drop].finish_reason == "abort"
+    assert deltas == final[keep].token_ids == hf_greedy(hf, [11, 12, 13, 14, 15], 9)
+    assert eng.stats.kv_blocks_used == 0
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_async_attention_backends(f64, backend):
+    "Both attention backends (triton in its interpreter on a CPU) give transformers' tokens."
+    path, hf = f64
+    on = LLM(path, block_size=4, max_num_batched_tokens=16, kv_cache_memory=_pool(path, 64, 4),
+             attention_backend=backend, async_scheduling=True)
+    assert on.engine.runner.backend.name == backend
+    _check_greedy(on, hf, _prompts(0)[:4], [5] * 4)
+
+
+def test_async_scheduling_refuses_speculative_decoding(f64):
+    path, hf = f64
+    with pytest.raises(ValueError, match="async_scheduling.*speculative_config"):
+        LLM(path, async_scheduling=True,
+            speculative_config={'method': 'ngram', 'num_speculative_tokens': 2})
+
+
+def test_async_stop_strings_and_stream(qwen3_text, qwen3_text_path):
+    "Real tokenizer: stop strings found after a step was launched, and streams, as async off."
+    llm = qwen3_text
+    on = LLM(qwen3_text_path, block_size=8, kv_cache_memory=64 * 2**20, async_scheduling=True)
+    sp = SamplingParams(temperature=0, max_tokens=24)
+    text = llm.generate("Hello, world", sp, use_tqdm=False)[0].text
+    stops = [text[i:i + 2] for i in range(4, len(text) - 1, 5)
+             if text[i:i + 2].strip() == text[i:i + 2]][:3]
+    prompts = ["Hello, world"] + ["Once upon a time", "1, 2, 3,"] * 2
+    sps = [replace(sp, stop=stops)] + [replace(sp, stop=[s]) for s in ("e", "e", " 4", " 4")]
+    want = llm.generate(prompts, sps, use_tqdm=False)
+    got = on.generate(prompts, sps, use_tqdm=False)
+    for w, g in zip(want, got):
+        assert (g.text, g.token_ids, g.finish_reason, g.outputs[0].stop_reason) == \
+            (w.text, w.token_ids, w.finish_reason, w.outputs[0].stop_reason)
+    assert "".join(on.stream("Hello, world", sp)) == text
+    assert on.stats.kv_blocks_used == 0 and not on.engine.has_unfinished_requests()

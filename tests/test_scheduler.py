@@ -75,6 +75,38 @@ def drive(sched, model, arrivals, aborts, check_order=True, num_speculative_toke
     return finished, after, step, verified
 
 
+def drive_async(sched, model, arrivals, aborts):
+    """drive() with async scheduling: step n+1 is scheduled and run before step n's update, its
+    pending tokens read from step n's samples. Returns the finished sequences, the steps, and
+    how many pending tokens met a finished sequence (dropped) or a preempted one (kept)."""
+    finished, step, prev, late = {}, 0, None, Counter()
+    while step < len(arrivals) or sched.has_unfinished_requests() or prev is not None:
+        for seq in (arrivals[step] if step < len(arrivals) else []):
+            sched.add(seq)
+        if step in aborts and sched.seqs:
+            victim = sorted(sched.seqs)[aborts[step] % len(sched.seqs)]
+            finished[victim] = sched.abort(victim)
+        out = sched.schedule()
+        check_invariants(sched)
+        assert out.num_batched_tokens <= sched.max_num_batched_tokens
+        assert len(out.input_ids) == out.num_batched_tokens
+        # launched before the step in flight is resolved: its tokens are still pending
+        sampled = model.step(out, prev[1] if prev is not None else None)
+        if prev is not None:
+            for seq, samples in zip(prev[0].seqs, prev[0].do_sample):
+                late['dropped'] += samples and seq.is_finished
+                late['kept_preempted'] += samples and seq.status is SequenceStatus.WAITING
+            for seq in sched.update(*prev):
+                finished[seq.seq_id] = seq
+            check_invariants(sched)
+        prev = (out, sampled) if len(out) else None
+        step += 1
+        assert step < 5000, "a stall"
+    assert sched.block_manager.num_used_blocks == 0 and not sched.running and not sched.waiting
+    assert all(s.num_pending == 0 for s in finished.values() if s.finish_reason != 'abort')
+    return finished, step, late
+
+
 def make_stream(rng, n, vocab, prefixes, max_prompt, max_out, groups):
     reqs, i = [], 0
     while len(reqs) < n:
@@ -94,7 +126,7 @@ def make_stream(rng, n, vocab, prefixes, max_prompt, max_out, groups):
 
 
 def run_stream(seed, block_size, extra_blocks, budget, max_num_seqs, prefix_caching, groups,
-               num_speculative_tokens=0):
+               num_speculative_tokens=0, async_scheduling=False):
     "One random request stream through a scheduler, checked every step; returns its counters."
     rng = random.Random(seed)
     vocab, max_prompt, max_out, max_model_len = 23, 30, 20, 40
@@ -104,14 +136,19 @@ def run_stream(seed, block_size, extra_blocks, budget, max_num_seqs, prefix_cach
                for r in reqs)
     bm = BlockManager(need + extra_blocks, block_size, enable_prefix_caching=prefix_caching)
     sched = Scheduler(bm, max_num_batched_tokens=max(budget, max_num_seqs),
-                      max_num_seqs=max_num_seqs, max_model_len=max_model_len, eos_token_ids=[EOS])
+                      max_num_seqs=max_num_seqs, max_model_len=max_model_len, eos_token_ids=[EOS],
+                      async_scheduling=async_scheduling)
     model = FakeModel(block_size, vocab)
     arrivals = [[] for _ in range(rng.randint(1, 30))]
     for r in reqs:
         arrivals[rng.randrange(len(arrivals))].append(r)
     aborts = {rng.randrange(60): rng.randrange(100) for _ in range(rng.choice([0, 0, 2]))}
-    finished, after, steps, verified = drive(sched, model, arrivals, aborts, not groups,
-                                             num_speculative_tokens)
+    if async_scheduling:
+        finished, steps, late = drive_async(sched, model, arrivals, aborts)
+        after = verified = 0
+    else:
+        finished, after, steps, verified = drive(sched, model, arrivals, aborts, not groups,
+                                                 num_speculative_tokens)
     assert set(finished) == {r.seq_id for r in reqs}
     for r in reqs:
         assert r.status is SequenceStatus.FINISHED
@@ -122,7 +159,7 @@ def run_stream(seed, block_size, extra_blocks, budget, max_num_seqs, prefix_cach
     work = sum(r.num_prompt_tokens + r.sampling_params.max_tokens for r in reqs)
     assert after <= 2 * work + 10
     return Counter(steps=steps, preemptions=sched.num_preemptions, prefix_hits=bm.num_hit_tokens,
-                   drafts_verified=verified)
+                   drafts_verified=verified, **(late if async_scheduling else {}))
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
@@ -134,6 +171,29 @@ def test_random_streams(seed, block_size, extra_blocks, budget, max_num_seqs, pr
                         groups, num_speculative_tokens):
     run_stream(seed, block_size, extra_blocks, budget, max_num_seqs, prefix_caching, groups,
                num_speculative_tokens)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
+@given(seed=st.integers(0, 2**32 - 1), block_size=st.sampled_from([1, 2, 4, 8]),
+       extra_blocks=st.integers(0, 6), budget=st.integers(4, 40), max_num_seqs=st.integers(1, 8),
+       prefix_caching=st.booleans(), groups=st.booleans())
+def test_random_streams_async(seed, block_size, extra_blocks, budget, max_num_seqs,
+                              prefix_caching, groups):
+    "Async scheduling: every request still gets the tokens it gets alone, stops and all."
+    run_stream(seed, block_size, extra_blocks, budget, max_num_seqs, prefix_caching, groups,
+               async_scheduling=True)
+
+
+def test_async_streams_preempt_and_stop_late():
+    "The async streams preempt sequences whose token is pending and run steps after a stop."
+    rng, totals = random.Random(1), Counter()
+    for _ in range(40):
+        totals += run_stream(seed=rng.randrange(2**32), block_size=rng.choice([1, 2, 4, 8]),
+                             extra_blocks=rng.randint(0, 6), budget=rng.randint(4, 40),
+                             max_num_seqs=rng.randint(1, 8), prefix_caching=rng.random() < 0.5,
+                             groups=rng.random() < 0.5, async_scheduling=True)
+    assert totals['preemptions'] > 20 and totals['prefix_hits'] > 50, totals
+    assert totals['dropped'] > 20 and totals['kept_preempted'] > 10, totals
 
 
 # test_many_steps_were_run draws this many streams as the property test does, and needs at least

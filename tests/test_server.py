@@ -87,14 +87,15 @@ async def _until_idle(engine):
         await asyncio.sleep(0.01)
 
 
-def test_concurrent_streams_equal_the_engine_alone(model):
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_concurrent_streams_equal_the_engine_alone(model, async_scheduling):
     "8 streams at once, mixed lengths and priorities: each gets its prompt's greedy tokens alone."
     prompts = _prompts()
     params = [SamplingParams(temperature=0, max_tokens=m) for m in (3, 9, 12, 5, 1, 16, 7, 10)]
     want = _alone(model, prompts, params)
 
     async def main():
-        async with _engine(model) as engine:
+        async with _engine(model, async_scheduling=async_scheduling) as engine:
             streams = await asyncio.gather(*(_read(engine, p, sp, priority=i % 3) for i, (p, sp)
                                              in enumerate(zip(prompts, params))))
             return streams, await _until_idle(engine)
