@@ -47,6 +47,8 @@ def add_model_args(p: argparse.ArgumentParser):
                         "(default auto: triton on a GPU, torch on the CPU)")
     g.add_argument('--enforce-eager', action='store_true',
                    help='no CUDA graphs: run every decode step eagerly (chapter 14)')
+    g.add_argument('--async-scheduling', action='store_true',
+                   help="prepare the next step while the device runs this one (chapter 14)")
     g.add_argument('--enable-torch-compile', action='store_true',
                    help="compile the model's small ops with torch.compile, CPU only (chapter 14)")
     g.add_argument('--speculative', metavar='ngram|DRAFT',
@@ -67,6 +69,7 @@ def engine_config(args, **options) -> EngineConfig:
     return EngineConfig(dtype=dtype, device=str(device), quantization=args.quantization,
                         attention_backend=args.attention_backend,
                         enforce_eager=args.enforce_eager,
+                        async_scheduling=args.async_scheduling,
                         enable_torch_compile=args.enable_torch_compile,
                         speculative_config=spec, **options)
 

@@ -88,6 +88,7 @@ def test_engine_config():
         device='cpu', attention_backend='auto', enforce_eager=False, enable_torch_compile=False,
         quantization=None)
     assert engine_config(parse(['chat', '--enable-torch-compile'])).enable_torch_compile
+    assert engine_config(parse(['serve', '--async-scheduling'])).async_scheduling
     assert engine_config(parse(['generate', '--quantization', 'int8', 'hi'])).quantization \
         == 'int8'
     assert engine_config(parse(['generate', '--dtype', 'float64', 'hi'])).dtype == torch.float64
