@@ -67,7 +67,7 @@ class EngineConfig:
 def batch_defaults(device_type: str, total_memory: int = 0, name: str = '') -> tuple[int, int]:
     "(max_num_batched_tokens, max_num_seqs) if unset: vLLM's LLM defaults on a GPU, ours on a CPU."
     if device_type != 'cuda':
-        return 2048, 256     # a CPU step of 2048 tokens already takes about a second
+        return 2048, 256
     # vLLM 0.11's EngineArgs for its LLM class: large GPUs but the A100 (slower with 16384)
     if total_memory >= 70 * 2**30 and 'a100' not in name.lower():
         return 16384, 1024

@@ -263,7 +263,7 @@ class Scheduler:
                 break
             if seq.status is not SequenceStatus.RUNNING:
                 continue                          # preempted a moment ago
-            if seq.num_pending and self._ends_at_length(seq):
+            if seq.num_pending and self._at_length(seq, seq.num_tokens):
                 continue                          # its pending token is its last
             num_new = self._num_new_tokens(seq, budget())
             if num_new and self._make_room(seq, lambda: bm.can_append(seq, num_new), scheduled):
@@ -304,9 +304,8 @@ class Scheduler:
                                do_sample, num_decodes=sum(new == 1 for new in num_new_tokens),
                                preempted_ids=preempted)
 
-    def _ends_at_length(self, seq: Sequence) -> bool:
-        "True when seq's tokens, its pending one counted, reach max_tokens or max_model_len."
-        num_tokens = seq.num_tokens
+    def _at_length(self, seq: Sequence, num_tokens: int) -> bool:
+        "True when num_tokens tokens of seq reach its max_tokens (as output) or max_model_len."
         return (num_tokens - seq.num_prompt_tokens >= seq.sampling_params.max_tokens
                 or num_tokens >= self.max_model_len)
 
@@ -337,7 +336,7 @@ class Scheduler:
         if num_output_tokens > params.min_tokens and token in seq.stop_ids:
             seq.stop_reason = token
             return 'stop'
-        if num_output_tokens >= params.max_tokens or num_tokens >= self.max_model_len:
+        if self._at_length(seq, num_tokens):
             return 'length'
         return None
 
