@@ -54,7 +54,12 @@ class LLMEngine:
         if config.speculative_config is not None:
             spec_config = SpeculativeConfig.from_dict(config.speculative_config)
             draft = load_draft_model(spec_config, model)     # None for n-gram
-        sizes = size_engine(config, [model] + ([draft] if draft is not None else []))
+        models = [model] + ([draft] if draft is not None else [])
+        if config.batch_invariant:
+            from petite_llm.batch_invariant import make_batch_invariant   # chapter 20
+            for net in models:
+                make_batch_invariant(net)       # every linear on tiles of a fixed row count
+        sizes = size_engine(config, models)
         self.num_kv_blocks, self.block_size = sizes.num_blocks, config.block_size
         self.kv_cache_memory, self.max_model_len = sizes.kv_cache_memory, sizes.max_model_len
         self.block_manager = BlockManager(sizes.num_blocks, config.block_size,
@@ -84,7 +89,8 @@ class LLMEngine:
     def _attention_backend(self) -> AttentionBackend:
         "A new backend of the configured kind for this engine's device."
         return get_attention_backend(self.config.attention_backend,
-                                     next(self.model.parameters()).device)
+                                     next(self.model.parameters()).device,
+                                     self.config.batch_invariant)
 
     def _log_start(self, sizes: EngineSizes):
         "Log what the engine chose: the KV pool, the attention backend, graphs, compiling."
@@ -95,7 +101,8 @@ class LLMEngine:
         logger.info("a step: at most %d tokens and %d sequences", sizes.max_num_batched_tokens,
                     sizes.max_num_seqs)
         graphs = runner.cuda_graphs
-        logger.info("attention backend: %s; decode steps %s", runner.backend.name,
+        logger.info("attention backend: %s%s; decode steps %s", runner.backend.name,
+                    " (batch-invariant)" if runner.backend.batch_invariant else "",
                     f"replay CUDA graphs for batch sizes {graphs.batch_sizes}"
                     if graphs is not None else "run eagerly")
         if runner.compiled is not None:

@@ -39,11 +39,15 @@ class EngineConfig:
     enable_torch_compile: bool = False        # the small ops compiled (CPU)
     speculative_config: dict | None = None    # chapter 15, vLLM's keys
     async_scheduling: bool = False            # schedule step n+1 while step n runs
+    batch_invariant: bool = False             # a request's tokens never depend on the batch
 
     def __post_init__(self):
         if self.async_scheduling and self.speculative_config is not None:
             raise ValueError("async_scheduling=True cannot run with speculative_config: a verify "
                              "step needs its drafts' tokens on the host; turn one of them off")
+        if self.batch_invariant and self.enable_torch_compile:
+            raise ValueError("batch_invariant=True cannot run with enable_torch_compile=True: the "
+                             "compiled kernels are not made batch-invariant; turn one of them off")
 
     def updated(self, **options) -> EngineConfig:
         "A copy with these options changed; an unknown name is a TypeError that lists the known."

@@ -150,14 +150,16 @@ def _unified_attention_kernel(
              + offs_d[None, :], out, mask=mask)
 
 # %% ../nbs/13_triton_kernels.ipynb #3759eff5
-def _attention_launch(q, k_cache, v_cache, md, scale, tile_k):
+def _attention_launch(q, k_cache, v_cache, md, scale, tile_k, fixed_tile=False):
     "Tile sizes, the arguments both attention kernels share, and how many query tiles to launch."
     T, num_heads, head_dim = q.shape
     group = num_heads // k_cache.shape[2]
     num_seqs = md.block_tables.shape[0]
     head_dim_pad = max(16, triton.next_power_of_2(head_dim))      # tl.dot wants >= 16
-    # a decode's tile is one token: its rows past the group stay empty, so keep it small
-    if md.max_query_len == 1:
+    # a decode's tile is one token: its rows past the group stay empty, so keep it small; with
+    # fixed_tile every step gets the prefill tile, so a row's arithmetic never depends on the step
+    decode = md.max_query_len == 1 and not fixed_tile
+    if decode:
         rows = 16
     else:
         rows = 64 if head_dim_pad <= 128 else 32
@@ -170,14 +172,15 @@ def _attention_launch(q, k_cache, v_cache, md, scale, tile_k):
                 BLOCK_SIZE=k_cache.shape[1], BLOCK_M=block_m, BLOCK_Q=block_m // group,
                 TILE_K=tile_k, ACC=tl.float64 if q.dtype == torch.float64 else tl.float32,
                 # 8 warps hold a prefill tile in registers where 4 would spill to memory
-                num_warps=4 if md.max_query_len == 1 else 8)
+                num_warps=4 if decode else 8)
     # each sequence rounds its last tile up at most once
     return args, meta, T // meta['BLOCK_Q'] + num_seqs
 
 def unified_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                      md: AttentionMetadata, scale: float, tile_k: int = 32) -> torch.Tensor:
+                      md: AttentionMetadata, scale: float, tile_k: int = 32,
+                      fixed_tile: bool = False) -> torch.Tensor:
     "Paged attention over a flat batch in one launch: q [T, nh, hd] -> [T, nh, hd]."
-    args, meta, num_tiles = _attention_launch(q, k_cache, v_cache, md, scale, tile_k)
+    args, meta, num_tiles = _attention_launch(q, k_cache, v_cache, md, scale, tile_k, fixed_tile)
     out = torch.empty_like(q)
     _unified_attention_kernel[(num_tiles, k_cache.shape[2])](
         out, out.stride(0), out.stride(1), *args, **meta)
@@ -314,9 +317,11 @@ class TritonAttentionBackend(AttentionBackend):
     name = 'triton'
     supports_cuda_graphs = True
 
-    def __init__(self, num_sms: int | None = None):
+    def __init__(self, num_sms: int | None = None, batch_invariant: bool = False):
         # None: the GPU's SM count, read at the first step (1 on a CPU: never split)
         self.num_sms = num_sms
+        # chapter 20: one tile shape and no split, so a row's result never depends on the batch
+        self.batch_invariant = batch_invariant
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache,
                 md: AttentionMetadata, scale: float) -> torch.Tensor:
@@ -328,6 +333,8 @@ class TritonAttentionBackend(AttentionBackend):
                scale: float) -> torch.Tensor:
         "q [T, nh, hd] -> [T, nh, hd], over a cache that already holds the step's K and V."
         k_cache, v_cache = kv_cache                   # [num_blocks, block_size, nkv, hd]
+        if self.batch_invariant:                      # how many splits depends on the batch
+            return unified_attention(q, k_cache, v_cache, md, scale, fixed_tile=True)
         if self.num_sms is None:
             self.num_sms = (torch.cuda.get_device_properties(q.device).multi_processor_count
                             if q.is_cuda else 1)

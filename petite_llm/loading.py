@@ -44,7 +44,8 @@ def default_dtype(device) -> torch.dtype:
 # %% ../nbs/14_engine.ipynb #94b298ab
 ATTENTION_BACKENDS = ('auto', 'torch', 'triton')
 
-def get_attention_backend(name: str = 'auto', device='cpu') -> AttentionBackend:
+def get_attention_backend(name: str = 'auto', device='cpu',
+                          batch_invariant: bool = False) -> AttentionBackend:
     "The attention backend called name for a model on device ('auto': triton on CUDA, else torch)."
     if name not in ATTENTION_BACKENDS:
         choices = ', '.join(map(repr, ATTENTION_BACKENDS))
@@ -53,6 +54,10 @@ def get_attention_backend(name: str = 'auto', device='cpu') -> AttentionBackend:
     has_triton = importlib.util.find_spec('triton') is not None
     if name == 'auto':
         name = 'triton' if on_cuda and has_triton else 'torch'
+    if name == 'torch' and batch_invariant:
+        # chapter 20 builds on this module, so it is imported only when asked for
+        from petite_llm.batch_invariant import BatchInvariantAttention
+        return BatchInvariantAttention()
     if name == 'torch':
         return TorchAttentionBackend()
     if not has_triton:
@@ -63,7 +68,7 @@ def get_attention_backend(name: str = 'auto', device='cpu') -> AttentionBackend:
                          "(or set TRITON_INTERPRET=1 before triton is first imported, "
                          "to run the kernels in Triton's slow interpreter)")
     from petite_llm.kernels import TritonAttentionBackend
-    return TritonAttentionBackend()
+    return TritonAttentionBackend(batch_invariant=batch_invariant)
 
 # %% ../nbs/14_engine.ipynb #cb218e75
 def load_engine_model(model, dtype=None, device=None,
