@@ -24,6 +24,7 @@ from .loading import get_attention_backend, load_engine_model
 from .parallel import (TensorParallelError, check_tensor_parallel, parallelize,
                        shard_checkpoint)
 from .runner import ModelRunner
+from .speculative import SpeculativeConfig
 from .weights import checkpoint_path
 
 logger = logging.getLogger('petite_llm.engine')
@@ -39,9 +40,11 @@ def check_engine_options(config: EngineConfig, model) -> ModelConfig:
     if isinstance(model, nn.Module):
         raise ValueError("tensor_parallel_size > 1 loads each rank's shard from the checkpoint: "
                          "pass the model's path or hub id, not a built model")
+    spec = config.speculative_config
+    drafts = spec is not None and SpeculativeConfig.from_dict(spec).method == 'draft_model'
     refused = [name for name, on in (('async_scheduling', config.async_scheduling),
                                      ('enable_torch_compile', config.enable_torch_compile),
-                                     ('speculative_config', config.speculative_config))
+                                     ('a draft model', drafts))
                if on]
     if refused:
         raise ValueError(f"tensor_parallel_size={size} does not run with {', '.join(refused)}: "

@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+import transformers
 
 from petite_llm.config import ModelConfig
 from petite_llm.engine import LLM
@@ -139,9 +140,9 @@ REFUSALS = [   # options, what the error must say
     (dict(tensor_parallel_size=0), r"positive int"),
     (dict(tensor_parallel_size=2, async_scheduling=True), r"async_scheduling"),
     (dict(tensor_parallel_size=2, enable_torch_compile=True), r"enable_torch_compile"),
-    (dict(tensor_parallel_size=2, speculative_config={'method': 'ngram',
+    (dict(tensor_parallel_size=2, speculative_config={'model': 'a-draft',
                                                       'num_speculative_tokens': 2}),
-     r"speculative_config"),
+     r"a draft model"),
 ]
 
 
@@ -287,3 +288,39 @@ def test_int8_weights_per_shard(small, record_logits):
         llm.shutdown()
     error = (logits[2] - logits[1]).abs().max() / logits[1].abs().max()
     assert error < 0.05, f"int8 on 2 ranks is {error:.3f} of max|logit| from float on 1"
+
+
+def test_cli_names_the_sizes_that_split_smollm2():
+    "The default model (9 heads, 3 KV heads) does not split in 2: the error says which sizes do."
+    from test_cli import run
+    code, out, err = run(['generate', '--tensor-parallel-size', '2', '--max-tokens', '4', 'Hi'])
+    assert code == 1 and out == ''
+    assert "num_attention_heads=9 is not a multiple of 2" in err
+    assert "The sizes that split it: 1, 3" in err
+    assert multiprocessing.active_children() == []
+
+
+@pytest.mark.slow
+def test_cli_answers_on_three_ranks():
+    "petite-llm generate on SmolLM2 over 3 CPU processes: the same greedy text as one process."
+    argv = ['generate', '--chat', '--temperature', '0', '--max-tokens', '16',
+            'What is the capital of France?']
+    script = 'import sys; from petite_llm.cli import main; sys.exit(main())'
+    texts = [subprocess.run([sys.executable, '-c', script, *argv, *extra],
+                            capture_output=True, text=True, timeout=600, check=True).stdout
+             for extra in ([], ['--tensor-parallel-size', '3'])]
+    assert 'Paris' in texts[1] and texts[1] == texts[0]
+
+
+def test_ngram_speculation_verifies_across_ranks(small):
+    "Drafts from the prompt's own n-grams, verified by two ranks: transformers' greedy tokens."
+    hf = transformers.Qwen3ForCausalLM.from_pretrained(small).double().eval()
+    batch = [p * 3 for p in prompts(VOCAB, [4, 6, 9], seed=3)]      # repeats: n-grams to draft
+    llm = LLM(small, tensor_parallel_size=2, dtype='float64', device='cpu', kv_cache_memory=2**22,
+              speculative_config={'method': 'ngram', 'num_speculative_tokens': 3,
+                                  'prompt_lookup_max': 3})
+    try:
+        assert _greedy(llm, batch, max_tokens=10) == [hf_greedy(hf, p, 10) for p in batch]
+        assert llm.engine.spec_stats.num_draft_tokens > 0
+    finally:
+        llm.shutdown()
