@@ -10,6 +10,7 @@ import atexit
 import logging
 import os
 import time
+import weakref
 from datetime import timedelta
 from functools import partial
 
@@ -267,5 +268,6 @@ def start_tensor_parallel(model, config: EngineConfig):
         workers.check_alive()                  # a worker that died says so
         workers.shutdown()
         raise
+    weakref.finalize(net, workers.shutdown)    # an engine dropped without shutdown() takes them
     logger.info("tensor parallel: %d ranks on %s, this process is rank 0", size, device.type)
     return net, path, config, workers

@@ -8,6 +8,7 @@ processes once per module (a start costs seconds), and runs every scenario of it
 Also: the refusals (before any process starts), a killed worker, a killed rank 0, and torchrun.
 """
 import json
+import logging
 import multiprocessing
 import os
 import signal
@@ -324,3 +325,15 @@ def test_ngram_speculation_verifies_across_ranks(small):
         assert llm.engine.spec_stats.num_draft_tokens > 0
     finally:
         llm.shutdown()
+
+
+def test_a_dropped_engine_takes_its_workers(small, caplog):
+    import gc
+    # no no-tokenizer warning: a captured record's exception would hold the loading frames alive
+    with caplog.at_level(logging.ERROR, logger='petite_llm.engine'):
+        llm = _engine(small, 2, num_blocks=16)
+    workers = multiprocessing.active_children()
+    assert len(workers) == 1
+    del llm
+    gc.collect()
+    assert multiprocessing.active_children() == [] and not workers[0].is_alive()
