@@ -9,6 +9,7 @@ __all__ = ['logger', 'check_engine_options', 'rank_device', 'init_rank', 'load_r
 import atexit
 import logging
 import os
+import signal
 import time
 import weakref
 from datetime import timedelta
@@ -156,6 +157,8 @@ def run_worker(model, config: EngineConfig, rank: int, size: int, device: torch.
 
 def worker_main(rank: int, size: int, port: int, model, config: EngineConfig):
     "A spawned worker process: join rank 0's store at port, then run_worker."
+    # Ctrl-C in a terminal reaches every process of its group: rank 0 alone decides to stop
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     device = rank_device(config, rank)
     store = dist.TCPStore('127.0.0.1', port, size, is_master=False,
                           timeout=timedelta(minutes=10))
