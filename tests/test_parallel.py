@@ -213,6 +213,23 @@ def test_a_killed_worker_is_a_clear_error(small):
     assert multiprocessing.active_children() == []
 
 
+def test_a_worker_killed_during_a_step_is_a_clear_error(small):
+    "Killed while rank 0 waits in an all-reduce: gloo reports the closed connection at once."
+    llm = _engine(small, 2, num_blocks=256)
+    try:
+        worker = multiprocessing.active_children()[0]
+        long = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
+        with ThreadPoolExecutor(1) as pool:
+            running = pool.submit(llm.generate, prompts(VOCAB, [30] * 8), long, use_tqdm=False)
+            time.sleep(1.0)                   # steps are under way
+            os.kill(worker.pid, signal.SIGKILL)
+            with pytest.raises(TensorParallelError, match=r"another rank died|exited with code"):
+                running.result(timeout=30)
+    finally:
+        _within(30, llm.shutdown)
+    assert multiprocessing.active_children() == []
+
+
 RANK0_DIES = """
 import os, sys
 from petite_llm.engine import LLM
