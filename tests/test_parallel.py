@@ -14,7 +14,6 @@ import os
 import signal
 import subprocess
 import sys
-import textwrap
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -26,9 +25,10 @@ import transformers
 
 from petite_llm.config import ModelConfig
 from petite_llm.engine import LLM
+from petite_llm.layers.linear import packed_linear_available
 from petite_llm.paging import kv_bytes_per_block
-from petite_llm.parallel import (TensorParallelError, check_tensor_parallel, shard_config,
-                                 tensor_parallel_sizes)
+from petite_llm.parallel import (RowParallelLinear, TensorParallelError, check_tensor_parallel,
+                                 shard_config, tensor_parallel_sizes)
 from petite_llm.sampling import SamplingParams
 
 from test_parity import hf_greedy, make_checkpoint, prompts
@@ -287,25 +287,29 @@ def test_torchrun_runs_the_same_code(tmp_path, tmp_path_factory):
     assert json.loads(result.read_text()) == [hf_greedy(hf, p, 6) for p in batch]
 
 
-def test_int8_weights_per_shard(small, record_logits):
-    "quantization='int8' quantizes each rank's slices; the logits stay within int8's error."
-    from petite_llm.quantization import Int8Linear
-    from petite_llm.parallel import RowParallelLinear
+@pytest.mark.parametrize('quantization,dtype,linear', [
+    ('int8', 'float32', 'Int8Linear'),
+    pytest.param(None, 'bfloat16', 'PackedLinear', marks=pytest.mark.skipif(
+        not packed_linear_available(torch.bfloat16), reason="no oneDNN bfloat16 on this CPU")),
+])
+def test_int8_and_packed_linears_per_shard(small, record_logits, quantization, dtype, linear):
+    "int8 and oneDNN-packed bf16 linears are built on each rank's slices; logits stay close."
     batch = prompts(VOCAB, [5, 12, 20], seed=2)
     first = SamplingParams(temperature=0, max_tokens=1)
     logits = {}
-    for size, quantization in ((1, None), (2, 'int8')):
-        llm = LLM(small, tensor_parallel_size=size, quantization=quantization, dtype='float32',
-                  device='cpu', kv_cache_memory=2**22)
+    for size, options in ((1, dict(dtype='float32')), (2, dict(dtype=dtype,
+                                                                quantization=quantization))):
+        llm = LLM(small, tensor_parallel_size=size, device='cpu', kv_cache_memory=2**22, **options)
         rows = record_logits(llm)
         llm.generate(batch, first, use_tqdm=False)
-        logits[size] = torch.stack([rows[tuple(p)][0] for p in batch])       # [3, V]
-        if quantization:
+        logits[size] = torch.stack([rows[tuple(p)][0].float() for p in batch])    # [3, V]
+        if size == 2:
             o_proj = llm.engine.model.model.layers[0].self_attn.o_proj
-            assert isinstance(o_proj, RowParallelLinear) and isinstance(o_proj.linear, Int8Linear)
+            assert isinstance(o_proj, RowParallelLinear)
+            assert type(o_proj.linear).__name__ == linear
         llm.shutdown()
     error = (logits[2] - logits[1]).abs().max() / logits[1].abs().max()
-    assert error < 0.05, f"int8 on 2 ranks is {error:.3f} of max|logit| from float on 1"
+    assert error < 0.05, f"{linear} on 2 ranks is {error:.3f} of max|logit| from float32 on 1"
 
 
 def test_cli_names_the_sizes_that_split_smollm2():
