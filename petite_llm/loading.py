@@ -93,7 +93,7 @@ def load_engine_model(model, dtype=None, device=None, quantization: str | None =
         num = quantize_model(net, quantization)
         # a GGUF's Q8_0 matrices come from their blocks, not from the float copy just loaded
         file = checkpoint_path(path)                # a folder holding one .gguf: that file
-        # (a tensor-parallel rank holds slices, which the whole Q8_0 matrices do not fit)
+        # (a tensor-parallel rank reads its own slices of them: chapter 19)
         from_gguf = load_q8_0(net, file) if file.suffix == '.gguf' and shard is None else 0
         logger.info("%d linear layers quantized to %s (%d of them read from Q8_0 blocks)",
                     num, quantization, from_gguf)

@@ -16,9 +16,9 @@ from .config import ModelConfig
 from .paging import cdiv
 
 # %% auto #0
-__all__ = ['tensor_parallel_sizes', 'check_tensor_parallel', 'shard_config', 'kv_head_start', 'shard_tensor', 'shard_checkpoint',
-           'TensorParallelError', 'all_reduce', 'all_gather', 'RowParallelLinear', 'VocabParallelEmbedding',
-           'ParallelLMHead', 'parallelize']
+__all__ = ['tensor_parallel_sizes', 'check_tensor_parallel', 'shard_config', 'kv_head_start', 'shard_tensor', 'shard_int8',
+           'shard_checkpoint', 'TensorParallelError', 'all_reduce', 'all_gather', 'RowParallelLinear',
+           'VocabParallelEmbedding', 'ParallelLMHead', 'parallelize']
 
 # %% ../nbs/19_tensor_parallel.ipynb #54ae51ee
 def _split_problems(config: ModelConfig, size: int) -> list[str]:
@@ -81,6 +81,14 @@ def shard_tensor(name: str, tensor: torch.Tensor, config: ModelConfig, rank: int
         piece = tensor[rank * rows:(rank + 1) * rows]      # [<= rows, hidden]
         return F.pad(piece, (0, 0, 0, rows - len(piece)))
     return tensor                                          # norms: every rank keeps them whole
+
+def shard_int8(name: str, q: torch.Tensor, scale: torch.Tensor, config: ModelConfig, rank: int,
+               size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    "Rank's slice of an int8 matrix q [out, in] and its row scales [out] (a row-parallel one: all)."
+    q_slice = shard_tensor(name, q, config, rank, size)
+    if name.split('.')[-2] in _ROW_PARALLEL:
+        return q_slice, scale                              # every row, fewer columns: same scales
+    return q_slice, shard_tensor(name, scale[:, None], config, rank, size)[:, 0]
 
 def shard_checkpoint(config: ModelConfig, tensors: Iterable[tuple[str, torch.Tensor]], rank: int,
                      size: int) -> tuple[ModelConfig, Iterator[tuple[str, torch.Tensor]]]:

@@ -24,7 +24,8 @@ from .config import ModelConfig, resolve_device
 from .engine_config import EngineConfig, size_engine
 from .loading import get_attention_backend, load_engine_model
 from .parallel import (TensorParallelError, check_tensor_parallel, parallelize,
-                       shard_checkpoint)
+                       shard_checkpoint, shard_int8)
+from .quantization import load_q8_0
 from .runner import ModelRunner
 from .speculative import SpeculativeConfig
 from .weights import checkpoint_path
@@ -93,8 +94,14 @@ def load_rank_model(model, config: EngineConfig, rank: int, size: int,
     "Rank's shard of the model, ready to run with the others, and the path it came from."
     shard = partial(shard_checkpoint, rank=rank, size=size)
     net, path = load_engine_model(model, config.dtype, device, config.quantization, shard)
-    vocab_size = ModelConfig.from_pretrained(checkpoint_path(path)).vocab_size
-    return parallelize(net.eval(), vocab_size, rank, size), path
+    file = checkpoint_path(path)
+    whole = ModelConfig.from_pretrained(file)
+    if config.quantization is not None and file.suffix == '.gguf':
+        # chapter 18's Q8_0 blocks, each matrix sliced as the weights were
+        rank_slice = partial(shard_int8, config=whole, rank=rank, size=size)
+        logger.info("rank %d: %d matrices read from Q8_0 blocks", rank,
+                    load_q8_0(net, file, rank_slice))
+    return parallelize(net.eval(), whole.vocab_size, rank, size), path
 
 # %% ../nbs/19_tensor_parallel.ipynb #0868b2a0
 def rank_kv_cache_memory(config: EngineConfig, model: nn.Module, size: int,

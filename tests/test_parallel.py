@@ -1,11 +1,13 @@
 """Tensor parallelism (chapter 19) on a CPU: gloo process groups of 2 and 3 ranks.
 
-Random-weight float64 checkpoints (Qwen3 with GQA, untied; Qwen2 with MQA and q/k/v biases, tied;
-Llama with GQA, tied) written by transformers, whose `generate` is the oracle: greedy tokens must
-equal it, and equal the same engine at tensor_parallel_size=1, through chunked prefill, prefix hits
-and preemption; seeded sampling must equal tensor_parallel_size=1. Each engine starts its worker
-processes once per module (a start costs seconds), and runs every scenario of its model.
-Also: the refusals (before any process starts), a killed worker, a killed rank 0, and torchrun.
+Random-weight checkpoints (Qwen3 with GQA, untied; Qwen2 with MQA and q/k/v biases, tied; Llama
+with GQA, tied) written by transformers and run in float64, transformers' `generate` the oracle:
+greedy tokens must equal it, and equal the same engine at tensor_parallel_size=1, through chunked
+prefill, prefix hits and preemption; seeded sampling must equal tensor_parallel_size=1. Each
+engine starts its worker processes once per module (a start costs seconds) and runs every
+scenario of its model. Also: the refusals (before any process starts), a killed worker (between
+steps and during one), a killed rank 0, a dropped engine, int8 and packed linears per shard (the
+Q8_0 slices of a GGUF too), n-gram speculation, the command line on SmolLM2, and torchrun.
 """
 import json
 import logging
@@ -358,3 +360,40 @@ def test_a_dropped_engine_takes_its_workers(small, caplog):
     del llm
     gc.collect()
     assert multiprocessing.active_children() == [] and not workers[0].is_alive()
+
+
+def test_int8_slices_keep_their_scales():
+    "A row-parallel slice keeps every row's scale; a column-parallel or vocabulary one its rows'."
+    from petite_llm.parallel import shard_int8
+    config = ModelConfig(model_type='llama', vocab_size=5, hidden_size=8, intermediate_size=8,
+                         num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                         head_dim=4)
+    q = torch.arange(8 * 8, dtype=torch.int8).view(8, 8)
+    scale = torch.arange(8.0)
+    down, down_scale = shard_int8('model.layers.0.mlp.down_proj.weight', q, scale, config, 1, 2)
+    assert torch.equal(down, q[:, 4:]) and torch.equal(down_scale, scale)
+    up, up_scale = shard_int8('model.layers.0.mlp.up_proj.weight', q, scale, config, 1, 2)
+    assert torch.equal(up, q[4:]) and torch.equal(up_scale, scale[4:])
+    head, head_scale = shard_int8('lm_head.weight', q[:5], scale[:5], config, 1, 2)
+    assert torch.equal(head[:2], q[3:5]) and head[2:].abs().sum() == 0     # padding rows
+    assert torch.equal(head_scale, torch.tensor([3.0, 4.0, 0.0]))
+
+
+@pytest.mark.slow
+def test_smollm2_int8_over_three_ranks_reads_q8_0_slices(caplog, record_logits):
+    "SmolLM2's Q8_0 head, sliced by vocabulary over 3 ranks: the first step's logits match 1 rank."
+    from petite_llm.weights import smollm2_gguf_path
+    batch = [[1, 504, 3458, 28, 1064], [9, 2135]]
+    first = SamplingParams(temperature=0, max_tokens=1)
+    logits = {}
+    for size in (1, 3):
+        with caplog.at_level(logging.INFO, logger='petite_llm.engine'):
+            llm = LLM(smollm2_gguf_path(), tensor_parallel_size=size, quantization='int8',
+                      dtype='float32', device='cpu', kv_cache_memory=2**24)
+        rows = record_logits(llm)
+        llm.generate(batch, first, use_tqdm=False)
+        logits[size] = torch.stack([rows[tuple(p)][0] for p in batch])
+        llm.shutdown()
+    assert "rank 0: 1 matrices read from Q8_0 blocks" in caplog.text
+    error = (logits[3] - logits[1]).abs().max() / logits[1].abs().max()
+    assert error < 0.05, f"int8 on 3 ranks is {error:.3f} of max|logit| from int8 on 1"
