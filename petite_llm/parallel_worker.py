@@ -50,8 +50,9 @@ def check_engine_options(config: EngineConfig, model) -> ModelConfig:
                                      ('a draft model', drafts))
                if on]
     if refused:
+        hint = " (speculative method 'ngram' does run)" if drafts else ''
         raise ValueError(f"tensor_parallel_size={size} does not run with {', '.join(refused)}: "
-                         "turn them off, or use tensor_parallel_size=1")
+                         f"turn that off{hint}, or use tensor_parallel_size=1")
     if dist.is_initialized() and not _launched_by_torchrun():
         raise ValueError("this process already belongs to a process group (another tensor-parallel "
                          "engine?): shut that engine down (LLM.shutdown()) before starting one")
