@@ -36,7 +36,8 @@ class LLMEngine:
     def __init__(self, model, tokenizer: Tokenizer | None = None,
                  config: EngineConfig | None = None, generation_config: dict | None = None,
                  workers=None, **options):
-        if loading := sorted({'dtype', 'device', 'quantization'} & set(options)):
+        loading = {'dtype', 'device', 'quantization', 'tensor_parallel_size'} & set(options)
+        if loading := sorted(loading):
             raise ValueError(f"{', '.join(loading)} apply when the engine loads a model: use "
                              "LLMEngine.from_pretrained (or LLM), or prepare the model yourself")
         self.config = config = (config or EngineConfig()).updated(**options)

@@ -397,3 +397,10 @@ def test_smollm2_int8_over_three_ranks_reads_q8_0_slices(caplog, record_logits):
     assert "rank 0: 1 matrices read from Q8_0 blocks" in caplog.text
     error = (logits[3] - logits[1]).abs().max() / logits[1].abs().max()
     assert error < 0.05, f"int8 on 3 ranks is {error:.3f} of max|logit| from int8 on 1"
+
+
+def test_an_engine_of_a_built_model_refuses_ranks(small):
+    from petite_llm.engine import LLMEngine
+    from petite_llm.weights import load_model
+    with pytest.raises(ValueError, match=r"tensor_parallel_size apply when the engine loads"):
+        LLMEngine(load_model(small), tensor_parallel_size=2)
