@@ -241,6 +241,8 @@ class AsyncLLMEngine:
             self._stopping = True
         self._wake.set()
         self._thread.join(timeout)
+        if not self._thread.is_alive():
+            self.engine.shutdown()          # a tensor-parallel engine's workers (chapter 19)
 
     async def __aenter__(self) -> AsyncLLMEngine:
         return self

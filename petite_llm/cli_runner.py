@@ -58,6 +58,9 @@ def add_model_args(p: argparse.ArgumentParser):
                    help='tokens proposed per step with --speculative (default 4)')
     g.add_argument('--quantization', choices=['int8'],
                    help='int8 weights, one scale per output row (chapter 18)')
+    g.add_argument('--tensor-parallel-size', type=int, default=1, metavar='N',
+                   help='split the model over N processes, one per GPU or sharing the CPU '
+                        '(chapter 19; default 1)')
 
 def engine_config(args, **options) -> EngineConfig:
     "The EngineConfig of a command's model options (--dtype, --device, the engine group)."
@@ -71,7 +74,8 @@ def engine_config(args, **options) -> EngineConfig:
                         enforce_eager=args.enforce_eager,
                         async_scheduling=args.async_scheduling,
                         enable_torch_compile=args.enable_torch_compile,
-                        speculative_config=spec, **options)
+                        speculative_config=spec,
+                        tensor_parallel_size=args.tensor_parallel_size, **options)
 
 def add_sampling_args(p: argparse.ArgumentParser):
     "SamplingParams' fields as options; those left out come from the model's generation_config."

@@ -35,8 +35,9 @@ class LLMEngine:
     "Requests in, outputs out, one step at a time: schedule → run the model → sample → detokenize."
     def __init__(self, model, tokenizer: Tokenizer | None = None,
                  config: EngineConfig | None = None, generation_config: dict | None = None,
-                 **options):
-        if loading := sorted({'dtype', 'device', 'quantization'} & set(options)):
+                 workers=None, **options):
+        loading = {'dtype', 'device', 'quantization', 'tensor_parallel_size'} & set(options)
+        if loading := sorted(loading):
             raise ValueError(f"{', '.join(loading)} apply when the engine loads a model: use "
                              "LLMEngine.from_pretrained (or LLM), or prepare the model yourself")
         self.config = config = (config or EngineConfig()).updated(**options)
@@ -74,7 +75,7 @@ class LLMEngine:
                                          self._attention_backend(), self.eos_token_ids,
                                          sizes.max_model_len)
         self.runner = ModelRunner(model, sizes.num_blocks, config.block_size, self.eos_token_ids,
-                                  self._attention_backend(), compiled, self.speculator)
+                                  self._attention_backend(), compiled, self.speculator, workers)
         if (not config.enforce_eager and self.runner.device.type == 'cuda'
                 and self.runner.backend.supports_cuda_graphs):
             self.runner.capture_cuda_graphs(sizes.max_num_seqs, sizes.max_model_len)
@@ -119,7 +120,12 @@ class LLMEngine:
                         **options) -> LLMEngine:
         "Load a model (folder, .gguf, hub id or a built model) and its tokenizer; build the engine."
         config = (config or EngineConfig()).updated(**options)
-        net, path = load_engine_model(model, config.dtype, config.device, config.quantization)
+        workers = None
+        if config.tensor_parallel_size > 1:
+            from petite_llm.parallel_worker import start_tensor_parallel     # chapter 19
+            net, path, config, workers = start_tensor_parallel(model, config)
+        else:
+            net, path = load_engine_model(model, config.dtype, config.device, config.quantization)
         if isinstance(tokenizer, (str, os.PathLike)) or (tokenizer is None and path is not None):
             try:
                 tokenizer = Tokenizer.from_pretrained(tokenizer or path)
@@ -131,7 +137,17 @@ class LLMEngine:
             generation_config = tokenizer.generation_config
         else:
             generation_config = read_generation_config(path)
-        return cls(net.eval(), tokenizer, config, generation_config)
+        try:
+            return cls(net.eval(), tokenizer, config, generation_config, workers=workers)
+        except BaseException:
+            if workers is not None:
+                workers.shutdown()          # no worker outlives an engine that failed to start
+            raise
+
+    def shutdown(self):
+        "Stop a tensor-parallel engine's worker processes (chapter 19); nothing to do otherwise."
+        if self.runner.workers is not None:
+            self.runner.workers.shutdown()
 
     def default_sampling_params(self) -> SamplingParams:
         "The model's own defaults (its generation_config.json) as SamplingParams."
@@ -297,6 +313,10 @@ class LLM:
                      doc="The engine's counters now (EngineStats).")
     kv_cache_memory = property(lambda self: self.engine.kv_cache_memory,
                                doc="Bytes of the KV pool.")
+
+    def shutdown(self):
+        "Stop the engine's worker processes, if it has any (tensor parallelism, chapter 19)."
+        self.engine.shutdown()
 
     def generate(self, prompts, sampling_params=None, priority=None,
                  use_tqdm: bool = True) -> list[RequestOutput]:

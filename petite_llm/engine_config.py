@@ -40,8 +40,12 @@ class EngineConfig:
     speculative_config: dict | None = None    # chapter 15, vLLM's keys
     async_scheduling: bool = False            # schedule step n+1 while step n runs
     batch_invariant: bool = False             # a request's tokens never depend on the batch
+    tensor_parallel_size: int = 1             # processes that split the model (chapter 19)
 
     def __post_init__(self):
+        size = self.tensor_parallel_size
+        if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+            raise ValueError(f"tensor_parallel_size must be a positive int, got {size!r}")
         if self.async_scheduling and self.speculative_config is not None:
             raise ValueError("async_scheduling=True cannot run with speculative_config: a verify "
                              "step needs its drafts' tokens on the host; turn one of them off")

@@ -71,8 +71,8 @@ def get_attention_backend(name: str = 'auto', device='cpu',
     return TritonAttentionBackend(batch_invariant=batch_invariant)
 
 # %% ../nbs/14_engine.ipynb #cb218e75
-def load_engine_model(model, dtype=None, device=None,
-                      quantization: str | None = None) -> tuple[nn.Module, Path | None]:
+def load_engine_model(model, dtype=None, device=None, quantization: str | None = None,
+                      shard=None) -> tuple[nn.Module, Path | None]:
     "A model for the engine and the path it came from: a built model moved, or a path loaded."
     if quantization is not None:
         # chapter 18 builds on this module, so it is imported only when asked for
@@ -86,7 +86,7 @@ def load_engine_model(model, dtype=None, device=None,
                              "or quantize the model yourself (petite_llm.quantization)")
         return model.to(device=device, dtype=parse_dtype(dtype)), None
     path, device, dtype = resolve_model_path(model), resolve_device(device), parse_dtype(dtype)
-    net = load_model(path, dtype=dtype, device=device)
+    net = load_model(path, dtype=dtype, device=device, shard=shard)
     if dtype is None and next(net.parameters()).dtype == torch.float32:
         # a float32 checkpoint (or a dequantized GGUF) runs in the device's default dtype
         dtype, native = default_dtype(device), native_bf16(device)
@@ -98,7 +98,8 @@ def load_engine_model(model, dtype=None, device=None,
         num = quantize_model(net, quantization)
         # a GGUF's Q8_0 matrices come from their blocks, not from the float copy just loaded
         file = checkpoint_path(path)                # a folder holding one .gguf: that file
-        from_gguf = load_q8_0(net, file) if file.suffix == '.gguf' else 0
+        # (a tensor-parallel rank reads its own slices of them: chapter 19)
+        from_gguf = load_q8_0(net, file) if file.suffix == '.gguf' and shard is None else 0
         logger.info("%d linear layers quantized to %s (%d of them read from Q8_0 blocks)",
                     num, quantization, from_gguf)
     if num_packed := prepack_linears(net):

@@ -133,13 +133,15 @@ def gguf_q8_0_tensors(file, dtype: torch.dtype = torch.bfloat16) -> dict:
     return tensors
 
 @torch.no_grad()
-def load_q8_0(model: nn.Module, file) -> int:
+def load_q8_0(model: nn.Module, file, rank_slice=None) -> int:
     "Refill a quantized model's Int8Linears from its GGUF's Q8_0 blocks; return how many matrices."
     int8s = [m for m in model.modules() if isinstance(m, Int8Linear)]
     if not int8s:
         raise ValueError("the model has no Int8Linear: call quantize_model(model, 'int8') first")
     loaded = 0
     for hf_name, (q, scale) in gguf_q8_0_tensors(file, int8s[0].weight_scale.dtype).items():
+        if rank_slice is not None:      # tensor parallelism (chapter 19): this rank's slice
+            q, scale = rank_slice(hf_name, q, scale)
         name, shard = map_hf_name(hf_name)
         if name == 'model.embed_tokens.weight' and model.config.tie_word_embeddings:
             name = 'lm_head.weight'                       # the tied head reads the same matrix

@@ -36,7 +36,7 @@ class ModelRunner:
     "Owns the model and its KV pool: SchedulerOutput → tensors → forward pass → sampled tokens."
     def __init__(self, model, num_blocks: int, block_size: int, eos_token_ids=(),
                  backend: AttentionBackend | None = None, compiled: Callable | None = None,
-                 speculator=None):
+                 speculator=None, workers=None):
         self.model, self.block_size, self.eos_token_ids = model, block_size, list(eos_token_ids)
         self.device = next(model.parameters()).device
         # [num_blocks, block_size, nkv, hd] per layer, K and V
@@ -50,16 +50,23 @@ class ModelRunner:
         self.cuda_graphs: CUDAGraphs | None = None    # recorded by capture_cuda_graphs
         # what forward calls: model.model, or a backend's fused body sharing its parameters
         self.body = self.backend.model_body(model)
+        self.workers = workers            # chapter 19: the other ranks, sent each step's inputs
 
     def prepare(self, scheduled: SchedulerOutput):
         "The flat batch: input_ids [T], positions [T], AttentionMetadata, logits_indices [R]."
-        block_tables = [seq.block_table for seq in scheduled.seqs]
-        attn_metadata = self.backend.build_metadata(block_tables, scheduled.num_computed_tokens,
-                                                    scheduled.num_new_tokens, self.block_size,
-                                                    self.device)
-        input_ids = self._as_tensor(scheduled.input_ids)
-        logits_indices = self._as_tensor(scheduled.logits_indices)
-        return input_ids, attn_metadata.positions, attn_metadata, logits_indices
+        step = ([seq.block_table for seq in scheduled.seqs], scheduled.num_computed_tokens,
+                scheduled.num_new_tokens, scheduled.input_ids, scheduled.logits_indices)
+        if self.workers is not None:
+            self.workers.broadcast_step(step)
+        return self.prepare_step(*step)
+
+    def prepare_step(self, block_tables: list[list[int]], num_computed_tokens: list[int],
+                     num_new_tokens: list[int], input_ids: list[int], logits_indices: list[int]):
+        "prepare's tensors from the step's lists: what a step needs beyond the model and its pool."
+        attn_metadata = self.backend.build_metadata(block_tables, num_computed_tokens,
+                                                    num_new_tokens, self.block_size, self.device)
+        return (self._as_tensor(input_ids), attn_metadata.positions, attn_metadata,
+                self._as_tensor(logits_indices))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 attn_metadata: AttentionMetadata) -> torch.Tensor:

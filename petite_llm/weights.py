@@ -196,14 +196,16 @@ def _count_tensors(files: list[Path]) -> int:
     return total
 
 def load_safetensors(folder, dtype: torch.dtype | None = None, device=None,
-                     progress: bool = True) -> Qwen3ForCausalLM:
+                     progress: bool = True, shard=None) -> Qwen3ForCausalLM:
     "Our model from a Hugging Face folder (config.json + safetensors), shard by shard."
     folder = Path(folder)
     files, config = checkpoint_files(folder), ModelConfig.from_pretrained(folder)
     dtype = dtype or config.torch_dtype or _safetensors_dtype(files[0])
-    model = _empty_model(config, dtype, device or 'cpu')
     tensors = tqdm(_safetensors_tensors(files), total=_count_tensors(files),
                    desc='loading safetensors', unit='tensor', disable=not progress, leave=False)
+    if shard is not None:          # tensor parallelism: this rank's config and tensor slices
+        config, tensors = shard(config, tensors)
+    model = _empty_model(config, dtype, device or 'cpu')
     load_weights(model, tensors)
     return model
 
@@ -319,14 +321,16 @@ def _gguf_dtype(reader) -> torch.dtype:
     return {'F16': torch.float16, 'BF16': torch.bfloat16}.get(kinds.pop(), torch.float32)
 
 def load_gguf(file, dtype: torch.dtype | None = None, device=None,
-              progress: bool = True) -> Qwen3ForCausalLM:
+              progress: bool = True, shard=None) -> Qwen3ForCausalLM:
     "Our model from a GGUF file, every tensor dequantized (to float32 unless `dtype` is given)."
     reader = _open_gguf(file)
     tied = all(t.name != 'output.weight' for t in reader.tensors)
     config = ModelConfig.from_gguf_metadata(_gguf_fields(reader), tie_word_embeddings=tied)
-    model = _empty_model(config, dtype or _gguf_dtype(reader), device or 'cpu')
     tensors = tqdm(gguf_tensors(reader, config), total=len(reader.tensors),
                    desc='dequantizing GGUF', unit='tensor', disable=not progress, leave=False)
+    if shard is not None:          # as in load_safetensors
+        config, tensors = shard(config, tensors)
+    model = _empty_model(config, dtype or _gguf_dtype(reader), device or 'cpu')
     load_weights(model, tensors)
     return model
 
@@ -341,9 +345,9 @@ def checkpoint_path(path_or_id) -> Path:
     return path
 
 def load_model(path_or_id, dtype: torch.dtype | None = None, device=None,
-               progress: bool = True) -> Qwen3ForCausalLM:
+               progress: bool = True, shard=None) -> Qwen3ForCausalLM:
     "A model from a folder, .gguf file or hub id; by default in the checkpoint's dtype, on the CPU."
     path = checkpoint_path(path_or_id)
     if path.suffix == '.gguf':
-        return load_gguf(path, dtype, device, progress)
-    return load_safetensors(path, dtype, device, progress)
+        return load_gguf(path, dtype, device, progress, shard)
+    return load_safetensors(path, dtype, device, progress, shard)

@@ -230,3 +230,17 @@ def test_triton_backend(bf16_path, record_logits):
     alone = _logit_rows(llm(), [[p] for p in prompts], record_logits)
     together = _logit_rows(llm(max_num_batched_tokens=24), [prompts], record_logits)
     assert all(torch.equal(alone[tuple(p)], together[tuple(p)]) for p in prompts)
+
+
+def test_tensor_parallel(bf16_path, lone):
+    "Two ranks (chapter 19) add their partial sums as a + b: each request still gets its lone tokens."
+    prompts, params = lone[0], _params(len(lone[0]))
+    llm = _llm(bf16_path, tensor_parallel_size=2, max_num_batched_tokens=32)
+    try:
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        alone = [llm.generate([p], sp, use_tqdm=False)[0] for p, sp in zip(prompts[:3], params)]
+    finally:
+        llm.shutdown()
+    assert [o.token_ids for o in alone] == [o.token_ids for o in outs[:3]]
+    with pytest.raises(ValueError, match="batch_invariant=True with tensor_parallel_size=3"):
+        _llm(bf16_path, tensor_parallel_size=3)
