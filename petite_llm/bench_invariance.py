@@ -8,11 +8,14 @@ __all__ = ['invariance_cost', 'invariance_table']
 # %% ../nbs/17_benchmarks.ipynb #bi170000
 import gc
 import time
+from types import SimpleNamespace
 
 import torch
 
-from .bench_peers import as_dtype, dtype_name, make_random_checkpoint, make_requests
+from .bench_peers import (as_dtype, dtype_name, make_random_checkpoint, make_requests,
+                                    shape_config)
 from .engine import LLM
+from .kv_cache import kv_bytes_per_token
 from .sampling import SamplingParams
 
 # %% ../nbs/17_benchmarks.ipynb #bi170002
@@ -51,7 +54,7 @@ def _prefill_tok_s(engine, prefill_len: int, repeats: int, seed: int) -> float:
 def invariance_cost(shape: str = 'tiny', layers: int | None = None, dtype='bfloat16',
                     batch_sizes=(1, 16, 64), prompt_len: int = 32, prefill_len: int = 256,
                     steps: int = 8, repeats: int = 3, rounds: int = 2, device='cpu', seed: int = 0,
-                    kv_cache_memory: int = 1 << 28) -> dict:
+                    kv_cache_memory: int | None = None) -> dict:
     "Decode ms per step at each batch size and prefill tok/s, batch_invariant off and on."
     dtype = as_dtype(dtype)
     path = make_random_checkpoint(shape=shape, dtype=dtype, num_layers=layers, seed=seed)
@@ -60,6 +63,10 @@ def invariance_cost(shape: str = 'tiny', layers: int | None = None, dtype='bfloa
                prompt_len=prompt_len, prefill_len=prefill_len, steps=steps, repeats=repeats,
                rounds=rounds)
     budget = max(max(batch_sizes) * prompt_len, prefill_len)
+    if kv_cache_memory is None:    # what the runs hold at most, with a block of slack each
+        tokens = max(batch_sizes) * (prompt_len + 2 + repeats * steps + 16) + prefill_len + 16
+        config = SimpleNamespace(**shape_config(shape, layers))
+        kv_cache_memory = tokens * kv_bytes_per_token(config, dtype)
     engines = {mode: LLM(str(path), dtype=dtype, device=device, batch_invariant=flag,
                          max_num_seqs=max(batch_sizes), max_num_batched_tokens=budget,
                          enable_prefix_caching=False, kv_cache_memory=kv_cache_memory).engine
