@@ -11,12 +11,13 @@ import torch
 import torch.nn.functional as F
 
 from .bench_host import engine_figures, engine_table
+from .bench_invariance import invariance_cost, invariance_table
 from .bench_peers import (SHAPES, PetitePeer, TransformersPeer, as_dtype, dtype_name,
                                     make_random_checkpoint, make_requests)
 from .layers.linear import PackedLinear, packed_linear_available
 
 # %% auto #0
-__all__ = ['FULL', 'QUICK', 'PARTS', 'linear_shapes', 'weight_bytes', 'memory_read_gb_s', 'linear_bound',
+__all__ = ['FULL', 'QUICK', 'PARTS', 'DEFAULT_PARTS', 'linear_shapes', 'weight_bytes', 'memory_read_gb_s', 'linear_bound',
            'measure_prefill_decode', 'measure_offline', 'choose_batch_size', 'num_threads', 'run_benchmark', 'ratios',
            'plot_results', 'add_arguments', 'run', 'scoreboard']
 
@@ -275,8 +276,9 @@ def plot_results(res: dict, path=None):
     return fig
 
 # %% ../nbs/17_benchmarks.ipynb #ff46442e
-# what `petite-llm bench` can measure; --only picks some
-PARTS = ('throughput', 'launches', 'host')
+# what `petite-llm bench` can measure, and what it measures unless --only says otherwise
+PARTS = ('throughput', 'launches', 'host', 'invariance')
+DEFAULT_PARTS = PARTS[:3]
 
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     "Add the `petite-llm bench` options to an argparse parser."
@@ -312,19 +314,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
       help="petite_llm's KV cache budget in bytes (default: the engine's)")
     a('--quantization', choices=['int8'],
       help="petite_llm's weights as int8, one scale per row (chapter 18; default: --dtype's)")
+    a('--batch-invariant', action='store_true',
+      help="petite_llm in chapter 20's batch-invariant mode (the throughput figures)")
     a('--quick', action='store_true',
       help='a smoke run in seconds: tiny shape, few requests, short lengths')
-    a('--only', default=','.join(PARTS),
+    a('--only', default=','.join(DEFAULT_PARTS),
       help="which figures, comma-separated: throughput (against transformers), launches "
-           "(kernels per layer), host (the engine's host work); default all three")
+           "(kernels per layer), host (the engine's host work), invariance (decode at batch 1, "
+           "16, 64 and prefill with batch_invariant off and on: --shape, default tiny, --layers, "
+           "--dtype, --device); default the first three")
     a('--out', nargs='?', const='images',
       help='write bench.json and bench_tok_s.png into this folder (default images/); '
-           'with --only and no throughput, bench_engine.json')
+           'with --only and no throughput, bench_engine.json (launches, host) or '
+           'bench_invariance.json (invariance alone)')
     return parser
 
 def run(args) -> dict:
     "Run `petite-llm bench` from parsed arguments: JSON on stdout, tables on stderr, --out files."
     llm_kwargs = dict(quantization=args.quantization)
+    if args.batch_invariant:
+        llm_kwargs['batch_invariant'] = True
     if args.kv_cache_memory is not None:
         llm_kwargs['kv_cache_memory'] = args.kv_cache_memory
     batch_sizes = tuple(int(b) for b in args.batch_sizes.split(','))
@@ -346,11 +355,15 @@ def run(args) -> dict:
                                 quick=args.quick, engines=engines, llm_kwargs=llm_kwargs)
         if {'launches', 'host'} & set(only):
             res['engine'] = engine_figures(only)
+        if 'invariance' in only:
+            res['invariance'] = invariance_cost(shape=args.shape or 'tiny', layers=args.layers,
+                                                dtype=args.dtype, device=args.device)
         if args.out:
             out = Path(args.out)
             out.mkdir(parents=True, exist_ok=True)
             # the engine's figures alone never replace a saved throughput run
-            name = 'bench.json' if 'throughput' in only else 'bench_engine.json'
+            name = ('bench.json' if 'throughput' in only else
+                    'bench_engine.json' if 'engine' in res else 'bench_invariance.json')
             (out/name).write_text(json.dumps(res, indent=2))
             if 'throughput' in only:
                 plot_results(res, out/'bench_tok_s.png')
@@ -358,6 +371,8 @@ def run(args) -> dict:
         print(scoreboard(res), file=sys.stderr)
     if 'engine' in res:
         print(engine_table(res['engine']), file=sys.stderr)
+    if 'invariance' in res:
+        print(invariance_table(res['invariance']), file=sys.stderr)
     print(json.dumps(res, indent=2))
     return res
 

@@ -178,7 +178,8 @@ def cmd_serve(args, parser) -> int:
     name = args.served_model_name or str(model)
     api_key = args.api_key or os.environ.get('PETITE_LLM_API_KEY')
     app = build_app(engine, name, api_key, limits)
-    print(f"petite-llm serve: {name} on http://{args.host}:{args.port}/v1 ({config.device}); "
+    mode = ', batch-invariant' if config.batch_invariant else ''
+    print(f"petite-llm serve: {name} on http://{args.host}:{args.port}/v1 ({config.device}{mode}); "
           "Ctrl-C stops", file=sys.stderr)
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
@@ -196,7 +197,8 @@ def bench_modes() -> dict:
         '': (bench.add_arguments, bench.run,
              'Prefill, decode and offline throughput of petite_llm against transformers on the '
              "same weights, and the engine's own kernels per decoder layer and host work per "
-             'step (no peer; --only launches,host for those alone, in seconds); JSON on stdout. '
+             'step (no peer; --only launches,host for those alone, in seconds), and with --only '
+             'invariance the cost of --batch-invariant; JSON on stdout. '
              '`petite-llm bench serve|sweep|speculative --help`: the other workloads.'),
         'serve': (bench_serve.add_arguments, bench_serve.run,
                   'Stream a Poisson workload through the openai client to OpenAI-compatible '

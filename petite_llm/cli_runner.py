@@ -49,6 +49,9 @@ def add_model_args(p: argparse.ArgumentParser):
                    help='no CUDA graphs: run every decode step eagerly (chapter 14)')
     g.add_argument('--async-scheduling', action='store_true',
                    help="prepare the next step while the device runs this one (chapter 14)")
+    g.add_argument('--batch-invariant', action='store_true',
+                   help="a request's tokens never depend on the batch it runs in: slower "
+                        "(chapter 20)")
     g.add_argument('--enable-torch-compile', action='store_true',
                    help="compile the model's small ops with torch.compile, CPU only (chapter 14)")
     g.add_argument('--speculative', metavar='ngram|DRAFT',
@@ -73,6 +76,7 @@ def engine_config(args, **options) -> EngineConfig:
                         attention_backend=args.attention_backend,
                         enforce_eager=args.enforce_eager,
                         async_scheduling=args.async_scheduling,
+                        batch_invariant=args.batch_invariant,
                         enable_torch_compile=args.enable_torch_compile,
                         speculative_config=spec,
                         tensor_parallel_size=args.tensor_parallel_size, **options)

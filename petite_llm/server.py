@@ -354,7 +354,8 @@ def _add_status_routes(app: FastAPI, server: _Server, guarded: list):
     @app.get('/v1/models', dependencies=guarded)
     async def models():
         card = dict(id=server.name, object='model', created=int(time.time()),
-                    owned_by='petite_llm', max_model_len=server.max_model_len)
+                    owned_by='petite_llm', max_model_len=server.max_model_len,
+                    batch_invariant=server.llm.config.batch_invariant)
         return dict(object='list', data=[card])
 
     @app.get('/metrics')

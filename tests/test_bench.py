@@ -184,3 +184,46 @@ def test_time_step_parts_without_synchronize_misplaces_the_forward(tiny_engine_f
     step_ms, parts = time_step_parts(tiny_engine_factory(device), 3, device.clock)
     assert parts['model forward'] == 0.0 and parts['lm_head and sampling'] == pytest.approx(6.0)
     assert step_ms == pytest.approx(6.0)
+
+
+@pytest.fixture(scope='module')
+def cheap_cost():
+    "invariance_cost at its batch sizes on a one-layer tiny model, one short run of each figure."
+    from petite_llm.bench_invariance import invariance_cost
+    return invariance_cost(layers=1, steps=1, repeats=1, rounds=1, prefill_len=16)
+
+
+def test_invariance_cost_reports_both_modes_at_each_batch_size(cheap_cost):
+    "Decode at batch 1, 16, 64 and prefill, flag off and on, and each cost as on over off."
+    inv = cheap_cost
+    assert (inv['shape'], inv['layers'], inv['dtype']) == ('tiny', 1, 'bfloat16')
+    for mode in ('off', 'on'):
+        assert set(inv[mode]['decode_ms']) == {1, 16, 64} and inv[mode]['prefill_tok_s'] > 0
+        for b, ms in inv[mode]['decode_ms'].items():
+            assert math.isclose(inv[mode]['decode_tok_s'][b], b * 1e3 / ms)
+    for b in (1, 16, 64):
+        assert math.isclose(inv['cost']['decode'][b],
+                            inv['on']['decode_ms'][b] / inv['off']['decode_ms'][b])
+    assert math.isclose(inv['cost']['prefill'],
+                        inv['off']['prefill_tok_s'] / inv['on']['prefill_tok_s'])
+
+
+def test_only_invariance_runs_that_section_alone(cheap_cost, tmp_path, capsys, monkeypatch):
+    "--only invariance: its options reach invariance_cost; JSON on stdout, bench_invariance.json."
+    import petite_llm.bench as bench
+    calls = []
+    monkeypatch.setattr(bench, 'invariance_cost', lambda **kw: calls.append(kw) or cheap_cost)
+    res = run(_parse('--only', 'invariance', '--layers', '1', '--out', str(tmp_path)))
+    assert calls == [dict(shape='tiny', layers=1, dtype='bfloat16', device='cpu')]
+    assert json.loads(capsys.readouterr().out) == json.loads(json.dumps(res))
+    assert set(res) == {'invariance'} and not (tmp_path/'bench.json').exists()
+    assert json.loads((tmp_path/'bench_invariance.json').read_text()) == json.loads(
+        json.dumps(res))
+    assert 'invariance' not in _parse().only.split(',')     # it runs only when asked for
+
+def test_batch_invariant_flag_reaches_petite_llms_engine(capsys):
+    "bench --batch-invariant: petite_llm's side of the throughput runs in that mode, and says so."
+    res = run(_parse('--quick', '--only', 'throughput', '--engines', 'petite_llm',
+                     '--batch-invariant'))
+    assert res['petite_llm_options'] == {'batch_invariant': True}
+    assert 'transformers' not in res and res['petite_llm']['decode_tok_s'] > 0

@@ -104,6 +104,17 @@ def test_engine_config():
                                             num_speculative_tokens=4)
 
 
+
+@pytest.mark.parametrize('command', [['generate', 'hi'], ['chat'], ['serve']])
+def test_batch_invariant_flag_reaches_the_engine_config(command):
+    "--batch-invariant on every model command sets EngineConfig.batch_invariant; off by default."
+    from petite_llm.cli_runner import engine_config
+    parse = build_parser().parse_args
+    assert engine_config(parse([*command, '--batch-invariant'])).batch_invariant
+    assert not engine_config(parse(command)).batch_invariant
+    with pytest.raises(ValueError, match='enable_torch_compile'):
+        engine_config(parse([*command, '--batch-invariant', '--enable-torch-compile']))
+
 def test_serve_limit_flags():
     "`petite-llm serve` takes chapter 16's limits; a bad one is a clear error, not a server."
     from petite_llm.server_limits import ServerLimits, limits_from_args

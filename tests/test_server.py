@@ -27,8 +27,8 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    "Our float64 model of a random-weight Qwen3 (2 layers, hidden 64, 4 q heads on 2 KV heads)."
+def checkpoint(tmp_path_factory):
+    "A random-weight Qwen3 in float64 (2 layers, hidden 64, 4 q heads on 2 KV heads): its folder."
     path = tmp_path_factory.mktemp("qwen3_f64")
     cfg = transformers.Qwen3Config(
         vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -37,7 +37,13 @@ def model(tmp_path_factory):
         initializer_range=0.2)
     torch.manual_seed(0)
     transformers.Qwen3ForCausalLM(cfg).to(torch.float64).save_pretrained(path)
-    return LLMEngine.from_pretrained(path, dtype=torch.float64, device='cpu').model
+    return path
+
+
+@pytest.fixture(scope="module")
+def model(checkpoint):
+    "Our float64 model of the checkpoint."
+    return LLMEngine.from_pretrained(checkpoint, dtype=torch.float64, device='cpu').model
 
 
 def _engine(model, **kwargs) -> AsyncLLMEngine:
@@ -108,6 +114,26 @@ def test_concurrent_streams_equal_the_engine_alone(model, async_scheduling):
         assert outs[-1].finish_reason == ref.finish_reason
     assert stats.num_generated_tokens == sum(len(r.token_ids) for r in want)
 
+
+
+def test_batch_invariant_option_reaches_the_async_engine(checkpoint, model):
+    "AsyncLLMEngine.from_pretrained(..., batch_invariant=True): chapter 20's layers, lone tokens."
+    from petite_llm.batch_invariant import BatchInvariantLinear
+    prompts = _prompts(6, seed=1)
+    params = [SamplingParams(temperature=0, max_tokens=m) for m in (4, 9, 2, 12, 6, 8)]
+    want = _alone(model, prompts, params)
+
+    async def main():
+        async with AsyncLLMEngine.from_pretrained(
+                checkpoint, dtype=torch.float64, device='cpu', batch_invariant=True,
+                block_size=4, kv_cache_memory=2**22, max_model_len=128) as engine:
+            inner = engine.engine
+            assert inner.config.batch_invariant and inner.runner.backend.batch_invariant
+            assert any(isinstance(m, BatchInvariantLinear) for m in inner.model.modules())
+            return await asyncio.gather(*(_read(engine, p, sp) for p, sp in zip(prompts, params)))
+
+    for i, (outs, ref) in enumerate(zip(run(main()), want)):
+        assert outs[-1].token_ids == ref.token_ids, f"prompt {i}"
 
 def test_a_slow_reader_gets_merged_deltas(model):
     "A reader away for the whole generation gets one merged output with everything it missed."

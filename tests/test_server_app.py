@@ -28,9 +28,10 @@ class ScriptedTokenizer:
 
 class ScriptedEngine:
     "Stands in for AsyncLLMEngine: every request gets the same reply, one scripted delta a step."
-    def __init__(self, deltas: list[str], running: bool = True):
+    def __init__(self, deltas: list[str], running: bool = True, batch_invariant: bool = False):
         self.deltas, self.is_running = deltas, running
-        self.engine = SimpleNamespace(tokenizer=ScriptedTokenizer(), max_model_len=64)
+        self.engine = SimpleNamespace(tokenizer=ScriptedTokenizer(), max_model_len=64,
+                                      config=SimpleNamespace(batch_invariant=batch_invariant))
 
     async def generate(self, ids, params, request_id=None, **stream_limits):
         text, tokens = "", []
@@ -46,6 +47,15 @@ class ScriptedEngine:
 def _client(deltas, running=True) -> TestClient:
     return TestClient(build_app(ScriptedEngine(deltas, running), "m"))
 
+
+
+@pytest.mark.parametrize("batch_invariant", [False, True])
+def test_models_card_says_whether_the_engine_is_batch_invariant(batch_invariant):
+    "/v1/models: the one model, its max_model_len, and the engine's batch_invariant mode."
+    engine = ScriptedEngine(["Paris"], batch_invariant=batch_invariant)
+    cards = TestClient(build_app(engine, "m")).get("/v1/models").json()["data"]
+    assert [(c["id"], c["max_model_len"], c["batch_invariant"]) for c in cards] == [
+        ("m", 64, batch_invariant)]
 
 def test_health_follows_the_engine_thread():
     assert _client(["x"]).get("/health").status_code == 200
