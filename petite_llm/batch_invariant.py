@@ -15,7 +15,7 @@ __all__ = ['invariant_rows', 'BatchInvariantLinear', 'make_batch_invariant', 'Ba
 
 # %% ../nbs/20_batch_invariance.ipynb #bi000010
 def invariant_rows(device) -> int:
-    "Rows per call of a batch-invariant linear: 1 on a CPU, 64 on a GPU (measured below)."
+    "Rows per call of a batch-invariant linear: 1 on a CPU (measured above), 64 on a GPU."
     return 64 if torch.device(device).type == 'cuda' else 1
 
 class BatchInvariantLinear(nn.Module):
