@@ -85,6 +85,17 @@ def test_tokens_equal_lone_run(bf16_path, lone, data, block_size, budget):
     assert [o.token_ids for o in outs] == [want[i] for i in order]
 
 
+def test_plain_engine_changes_tokens(bf16_path, lone):
+    "The check above can tell: without the flag, a batch with chunked prompts changes some tokens."
+    prompts = lone[0]
+    params = [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)] * len(prompts)
+    plain = _llm(bf16_path, invariant=False)
+    alone = [plain.generate([p], sp, use_tqdm=False)[0].token_ids for p, sp in zip(prompts, params)]
+    batched = _llm(bf16_path, invariant=False, block_size=4, max_num_batched_tokens=32)
+    outs = batched.generate(prompts, params, use_tqdm=False)
+    assert [o.token_ids for o in outs] != alone
+
+
 def test_preemption_keeps_tokens(bf16_path, lone):
     "A pool too small for the batch: preempted requests recompute their K/V to the same bits."
     prompts, want = lone
