@@ -14,7 +14,7 @@ from typing import Iterator
 from tqdm.auto import tqdm
 
 from .backends import AttentionBackend
-from .engine_config import EngineConfig, EngineSizes, size_engine
+from .engine_config import EngineConfig, log_engine_start, size_engine
 from .loading import get_attention_backend, load_engine_model, read_generation_config
 from .outputs import (EngineStats, OutputProcessor, RequestOutput, SpecDecodingStats,
                                 merge_outputs)
@@ -79,7 +79,7 @@ class LLMEngine:
         if (not config.enforce_eager and self.runner.device.type == 'cuda'
                 and self.runner.backend.supports_cuda_graphs):
             self.runner.capture_cuda_graphs(sizes.max_num_seqs, sizes.max_model_len)
-        self._log_start(sizes)
+        log_engine_start(config, sizes, self.runner)
         self.output_processor = OutputProcessor(tokenizer, self.scheduler)
         self._request_ids, self._seq_ids = itertools.count(), itertools.count()
         self._steps = self._prompt_tokens = self._generated_tokens = 0
@@ -92,23 +92,6 @@ class LLMEngine:
         return get_attention_backend(self.config.attention_backend,
                                      next(self.model.parameters()).device,
                                      self.config.batch_invariant)
-
-    def _log_start(self, sizes: EngineSizes):
-        "Log what the engine chose: the KV pool, the attention backend, graphs, compiling."
-        config, runner = self.config, self.runner
-        logger.info("KV cache: %d blocks of %d tokens = %d tokens, %.1f MiB (%s); max_model_len=%d",
-                    sizes.num_blocks, config.block_size, sizes.num_blocks * config.block_size,
-                    sizes.kv_cache_memory / 2**20, sizes.source, sizes.max_model_len)
-        logger.info("a step: at most %d tokens and %d sequences", sizes.max_num_batched_tokens,
-                    sizes.max_num_seqs)
-        graphs = runner.cuda_graphs
-        logger.info("attention backend: %s%s; decode steps %s", runner.backend.name,
-                    " (batch-invariant)" if runner.backend.batch_invariant else "",
-                    f"replay CUDA graphs for batch sizes {graphs.batch_sizes}"
-                    if graphs is not None else "run eagerly")
-        if runner.compiled is not None:
-            logger.info("torch.compile: each new kind of step compiles on its first run "
-                        "(about a minute for Qwen3-0.6B on two cores)")
 
     @property
     def requests(self) -> dict:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 # %% auto 0
-__all__ = ['logger', 'CPU_KV_FRACTION', 'CPU_KV_CAP', 'EngineConfig', 'batch_defaults', 'gpu_kv_cache_budget', 'profile_gpu_memory', 'default_kv_cache_memory', 'EngineSizes', 'size_engine']
+__all__ = ['logger', 'CPU_KV_FRACTION', 'CPU_KV_CAP', 'EngineConfig', 'batch_defaults', 'gpu_kv_cache_budget', 'profile_gpu_memory', 'default_kv_cache_memory', 'EngineSizes', 'size_engine', 'log_engine_start']
 
 # %% ../nbs/14_engine.ipynb #a325398b
 import dataclasses
@@ -196,3 +196,19 @@ def size_engine(config: EngineConfig, models: list[nn.Module]) -> EngineSizes:
     bytes_per_block = kv_bytes_per_block(kv_configs, config.block_size, dtype)
     return EngineSizes(num_blocks, num_blocks * bytes_per_block, max_model_len, source,
                        max_num_batched_tokens, max_num_seqs)
+
+def log_engine_start(config: EngineConfig, sizes: EngineSizes, runner) -> None:
+    "Log what an engine chose: the KV pool, the step's limits, the attention backend, compiling."
+    logger.info("KV cache: %d blocks of %d tokens = %d tokens, %.1f MiB (%s); max_model_len=%d",
+                sizes.num_blocks, config.block_size, sizes.num_blocks * config.block_size,
+                sizes.kv_cache_memory / 2**20, sizes.source, sizes.max_model_len)
+    logger.info("a step: at most %d tokens and %d sequences", sizes.max_num_batched_tokens,
+                sizes.max_num_seqs)
+    graphs = runner.cuda_graphs
+    logger.info("attention backend: %s%s; decode steps %s", runner.backend.name,
+                " (batch-invariant)" if runner.backend.batch_invariant else "",
+                f"replay CUDA graphs for batch sizes {graphs.batch_sizes}"
+                if graphs is not None else "run eagerly")
+    if runner.compiled is not None:
+        logger.info("torch.compile: each new kind of step compiles on its first run "
+                    "(about a minute for Qwen3-0.6B on two cores)")

@@ -243,6 +243,7 @@ def test_triton_backend(bf16_path, record_logits):
     assert all(torch.equal(alone[tuple(p)], together[tuple(p)]) for p in prompts)
 
 
+@pytest.mark.slow
 def test_tensor_parallel(bf16_path, lone):
     "Two ranks (chapter 19) add their partial sums as a + b: each request still gets its lone tokens."
     prompts, params = lone[0], _params(len(lone[0]))
