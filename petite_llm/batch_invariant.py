@@ -27,7 +27,9 @@ class BatchInvariantLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:   # [T, in] -> [T, out]
         "The inner linear on x, one tile of `rows` rows at a time (the last one padded with zeros)."
-        rows = x.reshape(-1, self.in_features)                            # [T, in]
+        # contiguous whatever the batch: a padded tile is a fresh copy, so an unpadded one must be
+        # laid out alike, or the kernel a library picks could change with the batch
+        rows = x.reshape(-1, self.in_features).contiguous()               # [T, in]
         num_rows = rows.shape[0]
         if pad := -num_rows % self.rows:
             rows = torch.cat([rows, rows.new_zeros(pad, self.in_features)])
@@ -81,7 +83,10 @@ class BatchInvariantAttention(TorchAttentionBackend):
         (R, nh, hd), dtype = q.shape, q.dtype
         block_size, nkv = k_cache.shape[1], k_cache.shape[2]
         acc_dtype = torch.float64 if dtype == torch.float64 else torch.float32
-        q = q.to(acc_dtype).view(R * nkv, nh // nkv, hd)     # GQA: each KV head's g queries
+        # GQA: each KV head's g queries. Every operand below is made contiguous: a permute then
+        # reshape is a view at R = 1 and a copy at R > 1, and a library picks its kernel (and so
+        # its order of additions) by the layout as well as by the shape
+        q = q.to(acc_dtype).contiguous().view(R * nkv, nh // nkv, hd)
         m = q.new_full(q.shape[:2], float('-inf'))                                 # [R*nkv, g]
         l = q.new_zeros(q.shape[:2])
         acc = torch.zeros_like(q)                                                  # [R*nkv, g, hd]
@@ -94,8 +99,8 @@ class BatchInvariantAttention(TorchAttentionBackend):
                      + pos % block_size)                                           # [R, S]
             keys = k_cache.view(-1, nkv, hd)[slots].to(acc_dtype)                 # [R, S, nkv, hd]
             values = v_cache.view(-1, nkv, hd)[slots].to(acc_dtype)
-            keys = keys.permute(0, 2, 3, 1).reshape(R * nkv, hd, -1)              # [R*nkv, hd, S]
-            values = values.permute(0, 2, 1, 3).reshape(R * nkv, -1, hd)          # [R*nkv, S, hd]
+            keys = keys.permute(0, 2, 3, 1).contiguous().view(R * nkv, hd, -1)    # [R*nkv, hd, S]
+            values = values.permute(0, 2, 1, 3).contiguous().view(R * nkv, -1, hd)  # [R*nkv, S, hd]
             s = torch.bmm(q, keys) * scale                                         # [R*nkv, g, S]
             s = s.masked_fill(~seen.repeat_interleave(nkv, 0)[:, None, :], float('-inf'))
             # online softmax: a split a row cannot see adds exactly 0 and scales by exactly 1

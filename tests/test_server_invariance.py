@@ -1,7 +1,8 @@
 """Batch invariance through the real server: `petite-llm serve --batch-invariant`, SmolLM2 in bf16.
 
-Issue 18's acceptance: 32 identical chat requests sent at once with the `openai` client return the
-answer the request gets alone, 32 times. We compare the logprobs too, bit for bit: without the flag
+32 identical chat requests sent at once with the `openai` client return the answer the request
+gets alone, 32 times; 32 different chats sent at once (prompts of several lengths) return the
+answers each gets alone. We compare the logprobs too, bit for bit: without the flag
 the burst's texts can agree with the lone one while its logprobs do not (the burst runs as one
 batch, the lone request alone), which is what shows the check can tell. The server runs as a
 subprocess on a free 127.0.0.1 port (bench_serve's `running_server`, which stops it at the end);
@@ -33,17 +34,27 @@ def smollm2_server(log_path, *flags):
         yield url, name
 
 
-async def lone_then_burst(url: str, name: str, max_tokens: int, n: int = BURST):
-    "(text, logprobs) of the chat answer asked alone, then of n identical requests sent at once."
+async def answers(url: str, name: str, chats: list[list[dict]], max_tokens: int,
+                  at_once: bool) -> list[tuple[str, list[float]]]:
+    "(text, logprobs) of each chat's greedy answer: all requests sent at once, or one by one."
     async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0,
                                   timeout=900) as client:
-        async def ask() -> tuple[str, list[float]]:
-            r = await client.chat.completions.create(model=name, messages=COLOURS, temperature=0,
-                                                     max_tokens=max_tokens, logprobs=True)
+        async def ask(messages) -> tuple[str, list[float]]:
+            r = await client.chat.completions.create(model=name, messages=messages,
+                                                     temperature=0, max_tokens=max_tokens,
+                                                     logprobs=True)
             choice = r.choices[0]
             return choice.message.content, [t.logprob for t in choice.logprobs.content]
 
-        return await ask(), await asyncio.gather(*(ask() for _ in range(n)))
+        if at_once:
+            return list(await asyncio.gather(*(ask(chat) for chat in chats)))
+        return [await ask(chat) for chat in chats]
+
+
+async def lone_then_burst(url: str, name: str, max_tokens: int, n: int = BURST):
+    "(text, logprobs) of the chat answer asked alone, then of n identical requests sent at once."
+    lone = await answers(url, name, [COLOURS], max_tokens, at_once=False)
+    return lone[0], await answers(url, name, [COLOURS] * n, max_tokens, at_once=True)
 
 
 @pytest.fixture(scope="module")
@@ -69,6 +80,16 @@ def test_a_burst_of_identical_chats_equals_the_lone_answer(invariant_server, max
     url, name, _ = invariant_server
     lone, burst = asyncio.run(lone_then_burst(url, name, max_tokens))
     assert len(lone[1]) == max_tokens and burst == [lone] * BURST
+
+
+@pytest.mark.parametrize("max_tokens", [4, pytest.param(48, marks=pytest.mark.slow)])
+def test_a_burst_of_different_chats_keeps_each_lone_answer(invariant_server, max_tokens):
+    "32 different greedy chats at once, prompts of several lengths: each the answer it gets alone."
+    url, name, _ = invariant_server
+    chats = [[{"role": "user", "content": f"Say one thing about the number {i}." +
+               " Keep it short." * (i % 5)}] for i in range(BURST)]
+    lone = asyncio.run(answers(url, name, chats, max_tokens, at_once=False))
+    assert asyncio.run(answers(url, name, chats, max_tokens, at_once=True)) == lone
 
 
 @pytest.mark.slow
