@@ -189,14 +189,17 @@ def test_chat_repl_history_think_and_ctrl_c(monkeypatch):
     fake = FakeRunner(['<think>pondering</think>Paris.', 'Lyon is big!ger', 'Hi.'])
     monkeypatch.setattr(cli, '_load', lambda args: fake)
     monkeypatch.setattr('sys.stdin', io.StringIO('capital?\nsecond city?\n/reset\nhello\n'))
+    # the handler this process started with: Python's, or SIG_IGN for a job started in the
+    # background of a non-interactive shell
+    started_with = signal.getsignal(signal.SIGINT)
     code, out, err = run(['chat', '--temperature', '0'])
     assert code == 0
     # not a terminal: reasoning shown between its tags
     assert '<think>pondering</think>Paris.' in out
     # Ctrl-C ended the reply, not the REPL
     assert 'Lyon is big' in out and 'ger' not in out and '[stopped]' in err
-    # and the usual Ctrl-C is back
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    # and Ctrl-C does again what it did before the REPL
+    assert signal.getsignal(signal.SIGINT) is started_with
     c1, c2, c3 = fake.conversations
     assert c1 == [{'role': 'user', 'content': 'capital?'}]
     # the reasoning is not kept in the history
