@@ -61,20 +61,20 @@ def record_launches():
     variants = {}
     originals = {cls: cls.run for cls in (InterpretedFunction, JITFunction)}
 
-    def recording(run):
-        def run_and_record(self, *args, grid, warmup, **kwargs):
+    def recording(launch):
+        def launch_and_record(self, *args, grid, warmup, **kwargs):
             if not warmup:
                 variant = launch_variant(self, args, kwargs)
                 variants.setdefault(json.dumps(variant, sort_keys=True), variant)
-            return run(self, *args, grid=grid, warmup=warmup, **kwargs)
-        return run_and_record
-    for cls, run in originals.items():
-        cls.run = recording(run)
+            return launch(self, *args, grid=grid, warmup=warmup, **kwargs)
+        return launch_and_record
+    for cls, launch in originals.items():
+        cls.run = recording(launch)
     try:
         yield variants
     finally:
-        for cls, run in originals.items():
-            cls.run = run
+        for cls, launch in originals.items():
+            cls.run = launch
 
 # %% ../nbs/13_triton_kernels.ipynb #c0a70005
 def compile_variant(variant: dict, capability: int) -> int:
