@@ -36,6 +36,7 @@ help:
 	@echo "make readme        write README.md from nbs/index.ipynb"
 	@echo "make clean         remove build outputs (distclean: and .venv)"
 	@echo "make gpu-wheels    the wheels a lent GPU machine lacks, for tools/gpu_session.sh"
+	@echo "                   and tools/gpu_check.sh (CUDA tests and headline figures, <= 8 min)"
 
 # torch==2.13.0 goes first and alone: any looser torch spec pulls gigabytes of CUDA packages.
 # The stamp makes re-runs instant; it is redone when settings.ini or setup.py change.
@@ -100,9 +101,13 @@ test: setup chromium
 	  exit 1; fi
 	@echo "== $$(date -u +%T) nbdev_test: every notebook, cells flagged slow/gpu skipped"
 	$(INTERPRET_TRITON) $(BIN)/nbdev_test
-	@echo "== $$(date -u +%T) pytest (not slow)"
-	$(PY) -m pytest -rs -m "not slow" tests || { rc=$$?; \
+	@echo "== $$(date -u +%T) pytest (not slow; the kernel compile check is the next stage)"
+	$(PY) -m pytest -rs -m "not slow" --ignore=tests/test_kernel_compile.py tests || { rc=$$?; \
 	  if [ $$rc = 5 ]; then echo "pytest collected no test: that is a failure"; fi; exit $$rc; }
+	@echo "== $$(date -u +%T) kernels compile for sm_80 and sm_90 (every variant the engine launches)"
+	$(PY) -m pytest -q -rP tests/test_kernel_compile.py
+	@echo "== $$(date -u +%T) tools/gpu_check.sh --dry (the GPU check's Python, on the CPU)"
+	PYTHON=$(PY) OUT=_build/gpu_check_dry tools/gpu_check.sh --dry
 	@echo "== $$(date -u +%T) README.md in sync with nbs/index.ipynb"
 	$(PY) tools/make_readme.py --check
 	@echo "== $$(date -u +%T) saved outputs fresh (make book)"

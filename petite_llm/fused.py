@@ -69,19 +69,23 @@ def _qk_norm_rope_store_kernel(
     tl.store(dst, q1, mask=mask)
     tl.store(dst + HALF, q2, mask=mask)
     slot = tl.load(slot_mapping_ptr + token)                # int64: slot * stride never wraps
+    # pitfall: the K heads' blocks get names of their own. `heads = tl.arange(0, KV_HEADS_PAD)`
+    # here would give q's `heads` another shape inside the `if`, which the interpreter runs and
+    # the compiler refuses (the section "Compiled for real GPUs" checks every kernel for that)
     if slot >= 0:                                           # padding (slot -1): store nothing
-        heads = tl.arange(0, KV_HEADS_PAD)
-        mask = (heads < NUM_KV_HEADS)[:, None] & dim_mask[None, :]
-        src = NUM_HEADS * HEAD_DIM + heads[:, None] * HEAD_DIM + offs[None, :]
-        k1, k2 = _rms_norm_rope(tl.load(row + src, mask=mask, other=0.0),
-                                tl.load(row + src + HALF, mask=mask, other=0.0),
+        kv_heads = tl.arange(0, KV_HEADS_PAD)
+        kv_mask = (kv_heads < NUM_KV_HEADS)[:, None] & dim_mask[None, :]
+        k_src = NUM_HEADS * HEAD_DIM + kv_heads[:, None] * HEAD_DIM + offs[None, :]
+        k1, k2 = _rms_norm_rope(tl.load(row + k_src, mask=kv_mask, other=0.0),
+                                tl.load(row + k_src + HALF, mask=kv_mask, other=0.0),
                                 cos, sin, k_weight_ptr, eps, HEAD_DIM, HALF_PAD, QK_NORM, COMPUTE)
-        dst = slot * stride_c_slot + heads[:, None] * stride_c_head + offs[None, :]
-        tl.store(k_cache_ptr + dst, k1, mask=mask)
-        tl.store(k_cache_ptr + dst + HALF, k2, mask=mask)
-        src += NUM_KV_HEADS * HEAD_DIM                      # v: copied as it is
-        tl.store(v_cache_ptr + dst, tl.load(row + src, mask=mask), mask=mask)
-        tl.store(v_cache_ptr + dst + HALF, tl.load(row + src + HALF, mask=mask), mask=mask)
+        kv_dst = slot * stride_c_slot + kv_heads[:, None] * stride_c_head + offs[None, :]
+        tl.store(k_cache_ptr + kv_dst, k1, mask=kv_mask)
+        tl.store(k_cache_ptr + kv_dst + HALF, k2, mask=kv_mask)
+        v_src = k_src + NUM_KV_HEADS * HEAD_DIM             # v: copied as it is
+        tl.store(v_cache_ptr + kv_dst, tl.load(row + v_src, mask=kv_mask), mask=kv_mask)
+        tl.store(v_cache_ptr + kv_dst + HALF, tl.load(row + v_src + HALF, mask=kv_mask),
+                 mask=kv_mask)
 
 def qk_norm_rope_store(qkv: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
                        k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,

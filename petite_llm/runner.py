@@ -195,13 +195,13 @@ def cuda_graph_batch_sizes(max_num_seqs: int) -> list[int]:
     return sorted({*sizes, max_num_seqs})
 
 def capture_cuda_graph(fn: Callable[[], torch.Tensor], pool=None):
-    "Warm fn up, then record it as a CUDA graph: (replay, output), replay refilling output."
+    "Record fn as a CUDA graph in pool (None: a new one): (replay, output, the graph's pool)."
     fn()                              # compiles kernels and allocates workspaces outside the graph
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, pool=pool):
         output = fn()
-    return graph.replay, output
+    return graph.replay, output, graph.pool()
 
 class CUDAGraphs:
     "The decode step recorded once per batch-size bucket, replayed on static, padded inputs."
@@ -234,11 +234,15 @@ class CUDAGraphs:
 
     def capture(self, forward: Callable, capture: Callable = capture_cuda_graph):
         "Record forward(input_ids, positions, metadata) for each bucket, the largest first."
-        # the largest first, so that the smaller graphs reuse its memory pool
+        # the largest first, then every other in its memory pool: the smaller graphs reuse the
+        # memory of its intermediates rather than each keeping a pool of its own
+        pool = None
         for batch_size in reversed(self.batch_sizes):
             step = partial(forward, self.input_ids[:batch_size], self.positions[:batch_size],
                            self.metadata(batch_size))
-            self.graphs[batch_size] = capture(step)
+            replay, hidden, graph_pool = capture(step, pool)
+            pool = graph_pool if pool is None else pool
+            self.graphs[batch_size] = replay, hidden
 
     def can_replay(self, md: AttentionMetadata) -> bool:
         "Whether a recorded graph covers this step: decodes only, few enough, a narrow table."

@@ -19,10 +19,10 @@ from petite_llm.sampling import SamplingParams
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def replay_eagerly(fn):
+def replay_eagerly(fn, pool=None):
     "Stand-in for capture_cuda_graph: replay re-runs fn into the output tensor it first returned."
     output = fn()
-    return (lambda: output.copy_(fn())), output
+    return (lambda: output.copy_(fn())), output, object() if pool is None else pool
 
 
 def test_batch_sizes():
@@ -47,6 +47,20 @@ class _Recorder:
 
     def build_metadata(self, *args):
         return AttentionMetadata.build(*args, backend=self)
+
+
+def test_every_bucket_is_recorded_in_the_first_graphs_pool():
+    "The largest bucket first, in a new pool; every later capture is handed that same pool."
+    graphs = CUDAGraphs(_Recorder(), max_num_seqs=8, max_blocks=2, block_size=4, device='cpu')
+    first_pool, captured = object(), []
+
+    def capture(fn, pool=None):
+        captured.append((len(fn.args[0]), pool))
+        return (lambda: None), fn(), first_pool if pool is None else object()
+
+    graphs.capture(lambda input_ids, positions, md: input_ids[:, None].float(), capture)
+    assert captured == [(8, None), (4, first_pool), (2, first_pool), (1, first_pool)]
+    assert sorted(graphs.graphs) == [1, 2, 4, 8]
 
 
 def test_replay_pads_and_clears_stale_columns():

@@ -1,0 +1,164 @@
+"""Every Triton kernel compiles for real GPUs (sm_80 and sm_90), on a CPU: chapter 13's recorder
+takes every launch of short engine runs under the interpreter, and `compile_for_gpus` compiles
+each distinct variant ahead of time. The checker itself fails on a compile error that the
+interpreter accepts, and on a kernel that needs more shared memory than a block may use."""
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")        # before the kernels are defined
+
+import pytest
+import triton
+import triton.language as tl
+
+from petite_llm.config import ModelConfig
+from petite_llm.engine import LLMEngine
+from petite_llm.kernel_compile import (GPU_TARGETS, compile_for_gpus, compile_report,
+                                       record_launches)
+from petite_llm.model import Qwen3ForCausalLM
+from petite_llm.paging import kv_bytes_per_block
+from petite_llm.sampling import SamplingParams
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+# (query heads, KV heads, head_dim, QK-norm, hidden size, intermediate size): the layouts the
+# tests use, then one layer of Qwen3-0.6B and of Qwen3-8B (their norms and MLP at full width)
+LAYOUTS = [(2, 1, 64, True, 64, 128), (4, 2, 64, False, 64, 128), (6, 3, 128, True, 64, 128),
+           (8, 8, 128, False, 64, 128), (16, 8, 128, True, 1024, 3072),
+           (32, 8, 128, True, 4096, 12288)]
+BLOCK_SIZE = 16
+
+
+def layout_config(layout):
+    "One decoder layer of this layout and a small vocabulary."
+    num_heads, num_kv_heads, head_dim, qk_norm, hidden, intermediate = layout
+    return ModelConfig(model_type='qwen3' if qk_norm else 'qwen2', vocab_size=256,
+                      hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=1,
+                      num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
+                      head_dim=head_dim, qk_norm=qk_norm, max_position_embeddings=8192,
+                      tie_word_embeddings=True, eos_token_id=[1])
+
+
+def random_model(layout, dtype):
+    "A model of one layer of this layout with random weights, built in dtype."
+    torch.manual_seed(0)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        return Qwen3ForCausalLM(layout_config(layout)).eval()
+    finally:
+        torch.set_default_dtype(default)
+
+
+def block_bytes(layout, dtype):
+    "Bytes of one KV block of every layer: 300 of them hold the longest context below."
+    return kv_bytes_per_block(layout_config(layout), BLOCK_SIZE, dtype)
+
+
+def generate(engine, prompts, max_tokens=3):
+    "Greedy tokens for the prompts, run together: prefill, mixed and decode-only steps."
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    for prompt in prompts:
+        engine.add_request(prompt, params)
+    while engine.has_unfinished_requests():
+        engine.step()
+
+
+def split_kv_decodes(engine, contexts):
+    "A decode after each context on a backend that believes it has an H100's 132 SMs: split-KV."
+    runner = engine.runner
+    runner.backend.num_sms = 132
+    for context in contexts:
+        table = list(range(context // BLOCK_SIZE + 1))
+        md = runner.backend.build_metadata([table], [context], [1], BLOCK_SIZE, 'cpu')
+        runner.forward(torch.tensor([7]), md.positions, md)
+
+
+def engine_run(layout, dtype, split_contexts=(), **options):
+    "Prompts of 3 to 40 tokens in 32-token steps (prefill, mixed, decode), then split-KV decodes."
+    engine = LLMEngine(random_model(layout, dtype), attention_backend='triton',
+                       block_size=BLOCK_SIZE, max_num_batched_tokens=32, max_model_len=4200,
+                       kv_cache_memory=300 * block_bytes(layout, dtype), **options)
+    generate(engine, [[5, 9, 200, 17, 3], list(range(2, 42)), [11, 12, 13]])
+    split_kv_decodes(engine, split_contexts)
+
+
+@torch.inference_mode()
+def record_engine_launches():
+    "Every kernel variant the engine launches: each layout in bf16 and fp16, every mode."
+    with record_launches() as variants:
+        for layout in LAYOUTS:
+            real = layout in LAYOUTS[-2:]
+            # contexts that split into 2, 4, 8 and 16 segments (the real models in bf16)
+            engine_run(layout, torch.bfloat16, (512, 1024, 2048, 4096) if real else (1024,))
+            engine_run(layout, torch.float16, (1024,))
+            engine_run(layout, torch.bfloat16, batch_invariant=True)
+        # speculation's verify step: k + 1 query tokens of a sequence after its prefill
+        engine = LLMEngine(random_model(LAYOUTS[1], torch.bfloat16), attention_backend='triton',
+                           block_size=BLOCK_SIZE, kv_cache_memory=2**20, max_model_len=256,
+                           speculative_config={'method': 'ngram', 'num_speculative_tokens': 3})
+        generate(engine, [[3, 4, 5, 6] * 4], max_tokens=6)
+    return variants
+
+
+# random weights in bfloat16 under the interpreter (no bfloat16 arithmetic) overflow: no matter,
+# only the launches count
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+def test_every_kernel_the_engine_launches_compiles_for_sm80_and_sm90():
+    variants = record_engine_launches()
+    rows = compile_for_gpus(variants.values())
+    print(f"\n{len(variants)} kernel variants compiled for {', '.join(GPU_TARGETS)}:")
+    print(compile_report(rows))
+    kernels = {row['variant'].split('(')[0] for row in rows}
+    assert {'_qk_norm_rope_store_kernel', '_unified_attention_kernel', '_silu_and_mul_kernel',
+            '_split_kv_attention_kernel', '_merge_segments_kernel',
+            '_fused_add_rms_norm_kernel'} <= kernels
+    problems = [row for row in rows if row['problem']]
+    assert not problems, compile_report(problems)
+
+
+# --- the checker fails where it must -----------------------------------------------------------
+
+@triton.jit
+def _redefined_in_if_kernel(out_ptr, flag, N: tl.constexpr):
+    "The interpreter runs this; the compiler refuses it: offs changes shape inside the if."
+    offs = tl.arange(0, N)
+    if flag > 0:
+        offs = tl.arange(0, 2 * N)
+    tl.store(out_ptr + offs, offs.to(tl.float32))
+
+
+@triton.jit
+def _big_tile_kernel(a_ptr, b_ptr, out_ptr, BLOCK: tl.constexpr):
+    "One BLOCK x BLOCK matrix product: its operands are staged in shared memory."
+    offs = tl.arange(0, BLOCK)
+    tile = offs[:, None] * BLOCK + offs[None, :]
+    tl.store(out_ptr + tile, tl.dot(tl.load(a_ptr + tile), tl.load(b_ptr + tile)))
+
+
+def test_a_compile_error_the_interpreter_accepts_is_reported():
+    "flag=2 reaches the compiler as an i32 and fails; flag=1 as the constant 1 the JIT makes it."
+    out = torch.zeros(16)
+    with record_launches() as variants:
+        for flag in (2, 1):
+            _redefined_in_if_kernel[(1,)](out, flag, N=8)
+    assert out.tolist() == list(range(16))                   # the interpreter ran it
+    failed, constant = compile_for_gpus(variants.values(), {'sm_90': GPU_TARGETS['sm_90']})
+    assert failed['variant'].startswith('_redefined_in_if_kernel(*fp32; N=8;')
+    assert 'CompilationError' in failed['problem'] and 'redefines' in failed['problem']
+    assert failed['problem'] in compile_report([failed])
+    assert constant['variant'].startswith('_redefined_in_if_kernel(*fp32; flag=1, N=8;')
+    assert constant['problem'] is None              # the if was decided before it was compiled
+
+
+def test_shared_memory_beyond_the_limit_is_reported():
+    a = torch.ones(256, 256, dtype=torch.float16)
+    out = torch.empty(256, 256, dtype=torch.float32)
+    with record_launches() as variants:
+        _big_tile_kernel[(1,)](a, a, out, BLOCK=256)
+    rows = compile_for_gpus(variants.values())
+    assert [row['arch'] for row in rows] == list(GPU_TARGETS)
+    for row, (_, limit) in zip(rows, GPU_TARGETS.values()):
+        assert row['shared'] > limit and 'shared memory' in row['problem']
