@@ -96,30 +96,36 @@ def measure_shape(shape: str, opts: dict, with_workload: bool) -> dict:
     return figures
 
 
+def report(shape: str, figures: dict) -> bool:
+    "Print one PASS/FAIL line per figure of one shape (a finite, positive number passes)."
+    ok = True
+    for mode, values in figures.items():
+        for name, value in values.items():
+            good = math.isfinite(value) and value > 0
+            ok &= good
+            print(f"{'PASS' if good else 'FAIL'} {shape} {mode:6} {name} {value:.4g}", flush=True)
+    return ok
+
+
 def run(out: Path, dry: bool) -> bool:
-    "Measure every figure, write out/gpu_check.json, print the summary; True if all are PASS."
+    "Measure every figure, writing out/gpu_check.json after each shape; True if all are PASS."
     opts = DRY if dry else FULL
     small, large = opts['shapes']
     res = dict(dry=dry, device=torch.cuda.get_device_name() if not dry else 'cpu',
                torch=torch.__version__, options=opts)
+    out.mkdir(parents=True, exist_ok=True)
+    save = lambda: (out / 'gpu_check.json').write_text(json.dumps(res, indent=1))
     res['small'] = measure_shape(small, opts, with_workload=True)
-    res['large'] = measure_shape(large, opts, with_workload=False)
+    save()
+    ok = report(small, res['small'])
     peak, source = peak_bandwidth(opts['device'])
     bytes_per_token = weight_bytes(shape_config(large, opts['layers']), torch.bfloat16)
     res['roofline'] = dict(peak_bytes_s=peak, source=source, weight_bytes=bytes_per_token)
-    for mode, figures in res['large'].items():
+    res['large'] = measure_shape(large, opts, with_workload=False)
+    for figures in res['large'].values():
         figures['roofline_share'] = figures['decode_tok_s'] * bytes_per_token / peak
-    out.mkdir(parents=True, exist_ok=True)
-    (out / 'gpu_check.json').write_text(json.dumps(res, indent=1))
-    ok = True
-    for size in ('small', 'large'):
-        for mode, figures in res[size].items():
-            for name, value in figures.items():
-                good = math.isfinite(value) and value > 0
-                ok &= good
-                print(f"{'PASS' if good else 'FAIL'} {opts['shapes'][size == 'large']} {mode:6} "
-                      f"{name} {value:.4g}")
-    return ok
+    save()
+    return report(large, res['large']) and ok
 
 
 if __name__ == '__main__':
