@@ -89,9 +89,10 @@ class LaunchCounter(TorchDispatchMode):
 
 # %% ../nbs/17_benchmarks.ipynb #bh000005
 def decode_step_launches(path, attention_backend: str, prompt_len: int = 8,
-                         dtype=torch.float32) -> LaunchCounter:
-    "The kernels one batch-1 decode step of LLMEngine launches on the CPU, counted."
-    engine = LLM(str(path), dtype=dtype, device='cpu', attention_backend=attention_backend).engine
+                         dtype=torch.float32, device='cpu') -> LaunchCounter:
+    "The kernels one eager batch-1 decode step of LLMEngine launches on device, counted."
+    engine = LLM(str(path), dtype=dtype, device=device, attention_backend=attention_backend,
+                 enforce_eager=True).engine            # a graph's replay would hide its kernels
     engine.add_request(list(range(2, 2 + prompt_len)),
                        SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
     engine.step()   # the prefill
@@ -101,12 +102,13 @@ def decode_step_launches(path, attention_backend: str, prompt_len: int = 8,
     return counter
 
 def launches_per_layer(layers=(1, 2), backends=('triton', 'torch'), shape: str = 'micro',
-                       dtype=torch.float32) -> dict:
+                       dtype=torch.float32, device='cpu') -> dict:
     "Kernels per decoder layer in a decode step: the count at layers[1] minus at layers[0]."
     out = {}
     for backend in backends:
         paths = [make_random_checkpoint(shape=shape, dtype=dtype, num_layers=n) for n in layers]
-        few, many = (decode_step_launches(path, backend, dtype=dtype) for path in paths)
+        few, many = (decode_step_launches(path, backend, dtype=dtype, device=device)
+                     for path in paths)
         extra = layers[1] - layers[0]
         ops = {name: (many.launches[name] - few.launches[name]) / extra
                for name in sorted(many.launches | few.launches)}

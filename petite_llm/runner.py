@@ -71,12 +71,17 @@ class ModelRunner:
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 attn_metadata: AttentionMetadata) -> torch.Tensor:
         "The model over the flat batch, on this runner's KV pool: hidden states [T, H]."
-        # our pool, even if another engine shares the model
+        # our pool, even if another engine shares the model; taken back after the step, so a
+        # model outlives a dropped engine without keeping its whole pool alive
         for layer, kv_cache in zip(self.attn_layers, self.kv_caches):
             layer.kv_cache = kv_cache
-        if self.compiled is not None:
-            return run_compiled(self.compiled, input_ids, positions, attn_metadata)
-        return self.body(input_ids, positions, attn_metadata)
+        try:
+            if self.compiled is not None:
+                return run_compiled(self.compiled, input_ids, positions, attn_metadata)
+            return self.body(input_ids, positions, attn_metadata)
+        finally:
+            for layer in self.attn_layers:
+                layer.kv_cache = None
 
     @torch.inference_mode()
     def capture_cuda_graphs(self, max_num_seqs: int, max_model_len: int,

@@ -17,6 +17,7 @@ from petite_llm.model import Qwen3ForCausalLM
 from petite_llm.sampling import SamplingParams
 
 pytestmark = pytest.mark.usefixtures("one_thread")
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def replay_eagerly(fn, pool=None):
@@ -125,8 +126,8 @@ def _greedy_tokens(engine, prompts, max_tokens):
 
 @pytest.mark.parametrize("block_size", [1, 4])
 def test_graphed_engine_gives_the_eager_tokens(block_size):
-    "Triton backend (interpreted), stand-in graphs: the eager engine's tokens, decodes replayed."
-    model = _tiny()
+    "Triton backend (interpreted on a CPU), stand-in graphs: the eager tokens, decodes replayed."
+    model = _tiny().to(DEVICE)
     prompts = [[1, 2, 3, 4, 5], [7, 8, 9], [11, 12, 13, 14, 15, 16, 17], [3] * 9, [5, 6]]
     max_tokens = [12, 3, 5, 6, 4]                 # the batch shrinks: 5 → 4 → … → 1, new buckets
     kw = dict(attention_backend='triton', block_size=block_size, kv_cache_memory=2**20,

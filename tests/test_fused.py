@@ -131,13 +131,16 @@ def test_cos_sin_cache_holds_chapter_02s_values():
        dtype=st.sampled_from([torch.float32, torch.float16, torch.float64]),
        seed=st.integers(0, 2**16))
 def test_silu_and_mul_matches_chapter_04(intermediate, rows, block, dtype, seed):
-    "Within 4 units in the last place: exp is another implementation than torch's."
+    "Within a few units in the last place: exp is another implementation than torch's."
     g = torch.Generator().manual_seed(seed)
     x = (torch.randn(rows, 2 * intermediate, generator=g) * 4).to(dtype).to(DEVICE)
     gate, up = x.chunk(2, dim=-1)
     out = silu_and_mul(x, block=block)
     assert out.shape == (rows, intermediate) and out.dtype == dtype
-    torch.testing.assert_close(out, F.silu(gate) * up, rtol=4 * torch.finfo(dtype).eps, atol=0)
+    # a GPU computes float32's exp from an approximate exp2 whose error grows with |x| (|gate| is
+    # up to ~16 here): 32 units in float32, 4 where the dtype's own rounding dominates
+    units = 32 if dtype == torch.float32 else 4
+    torch.testing.assert_close(out, F.silu(gate) * up, rtol=units * torch.finfo(dtype).eps, atol=0)
 
 
 def test_silu_and_mul_keeps_leading_shape():
@@ -217,7 +220,7 @@ def test_fused_body_without_metadata_is_model_model(checkpoint):
 
 def test_fused_body_launches_at_most_10_kernels_per_layer():
     "Chapter 13's goal, counted as chapter 17 counts it: 9 with unified attention."
-    figures = launches_per_layer((1, 2), ('triton',))['triton']
+    figures = launches_per_layer((1, 2), ('triton',), device=DEVICE)['triton']
     assert figures['per_layer'] == 9
     assert figures['per_layer_ops']['triton._qk_norm_rope_store_kernel'] == 1
     assert figures['per_layer_ops']['triton._fused_add_rms_norm_kernel'] == 2

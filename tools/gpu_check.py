@@ -11,7 +11,9 @@ writes OUT/gpu_check.json and prints one PASS/FAIL line per figure; tools/gpu_ch
 from __future__ import annotations
 
 import argparse
+import datetime
 import gc
+import importlib.metadata
 import json
 import math
 import sys
@@ -84,8 +86,9 @@ def measure_shape(shape: str, opts: dict, with_workload: bool) -> dict:
         res['decode_tok_s'] = measure_prefill_decode(
             peer, opts['decode_prompt'], opts['decode_tokens'], cfg['vocab_size'],
             device=device)['decode_tok_s']
+        # the best of two prefills: the first also compiles the kernels of its shapes
         res['prefill_ms'] = 1e3 * measure_prefill_decode(
-            peer, opts['prefill_len'], 2, cfg['vocab_size'], repeats=1, device=device)['prefill_s']
+            peer, opts['prefill_len'], 2, cfg['vocab_size'], device=device)['prefill_s']
         if with_workload:
             requests = make_requests(opts['requests'], opts['min_len'], opts['max_len'],
                                      cfg['vocab_size'], seed=0)
@@ -112,7 +115,8 @@ def run(out: Path, dry: bool) -> bool:
     opts = DRY if dry else FULL
     small, large = opts['shapes']
     res = dict(dry=dry, device=torch.cuda.get_device_name() if not dry else 'cpu',
-               torch=torch.__version__, options=opts)
+               date=datetime.date.today().isoformat(), torch=torch.__version__,
+               triton=importlib.metadata.version('triton'), options=opts)
     out.mkdir(parents=True, exist_ok=True)
     save = lambda: (out / 'gpu_check.json').write_text(json.dumps(res, indent=1))
     res['small'] = measure_shape(small, opts, with_workload=True)
