@@ -796,3 +796,20 @@ def test_async_stop_strings_and_stream(qwen3_text, qwen3_text_path):
             (w.text, w.token_ids, w.finish_reason, w.outputs[0].stop_reason)
     assert "".join(on.stream("Hello, world", sp)) == text
     assert on.stats.kv_blocks_used == 0 and not on.engine.has_unfinished_requests()
+
+
+def test_a_dropped_engine_leaves_no_pool_on_the_model(tmp_path):
+    "The model's layers hold no KV pool between steps: dropping an engine frees its pool."
+    import gc
+    import weakref
+    _checkpoint(tmp_path, torch.float32)
+    model = load_model(tmp_path)
+    engine = LLMEngine(model, kv_cache_memory=1 << 20)
+    engine.add_request([5, 6, 7], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+    while engine.has_unfinished_requests():
+        engine.step()
+    pool = weakref.ref(engine.runner.kv_caches[0][0])
+    del engine
+    gc.collect()
+    assert pool() is None
+    assert all(getattr(m, 'kv_cache', None) is None for m in model.modules())
