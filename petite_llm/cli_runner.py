@@ -47,8 +47,9 @@ def add_model_args(p: argparse.ArgumentParser):
                         "(default auto: triton on a GPU, torch on the CPU)")
     g.add_argument('--enforce-eager', action='store_true',
                    help='no CUDA graphs: run every decode step eagerly (chapter 14)')
-    g.add_argument('--async-scheduling', action='store_true',
-                   help="prepare the next step while the device runs this one (chapter 14)")
+    g.add_argument('--async-scheduling', action=argparse.BooleanOptionalAction,
+                   help="prepare the next step while the device runs this one (chapter 14; "
+                        "default: on a GPU, off on the CPU)")
     g.add_argument('--batch-invariant', action='store_true',
                    help="a request's tokens never depend on the batch it runs in: slower "
                         "(chapter 20)")

@@ -40,7 +40,9 @@ class LLMEngine:
         if loading := sorted(loading):
             raise ValueError(f"{', '.join(loading)} apply when the engine loads a model: use "
                              "LLMEngine.from_pretrained (or LLM), or prepare the model yourself")
-        self.config = config = (config or EngineConfig()).updated(**options)
+        config = (config or EngineConfig()).updated(**options)
+        device = next(model.parameters()).device
+        self.config = config = config.updated(async_scheduling=config.overlaps(device))
         cfg, self.model, self.tokenizer = model.config, model, tokenizer
         # refused (off the CPU, no C++ compiler) before any memory is taken; compiles lazily
         compiled = compile_model(model) if config.enable_torch_compile else None

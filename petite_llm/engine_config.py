@@ -38,7 +38,7 @@ class EngineConfig:
     enforce_eager: bool = False               # no CUDA graphs
     enable_torch_compile: bool = False        # the small ops compiled (CPU)
     speculative_config: dict | None = None    # chapter 15, vLLM's keys
-    async_scheduling: bool = False            # schedule step n+1 while step n runs
+    async_scheduling: bool | None = None      # step n+1 scheduled while n runs; None: see overlaps
     batch_invariant: bool = False             # a request's tokens never depend on the batch
     tensor_parallel_size: int = 1             # processes that split the model (chapter 19)
 
@@ -60,6 +60,13 @@ class EngineConfig:
             raise TypeError(f"unknown engine option(s) {', '.join(unknown)}: "
                             f"the options are {', '.join(known)}")
         return dataclasses.replace(self, **options)
+
+    def overlaps(self, device: torch.device | str) -> bool:
+        "Whether steps overlap: as asked, else on a GPU where it can (one rank, no speculation)."
+        if self.async_scheduling is not None:
+            return self.async_scheduling
+        return (torch.device(device).type == 'cuda' and self.speculative_config is None
+                and self.tensor_parallel_size == 1)
 
     def batch_limits(self, device: torch.device | str) -> tuple[int, int]:
         "(max_num_batched_tokens, max_num_seqs) on device: as given, else batch_defaults'."

@@ -89,6 +89,8 @@ def test_engine_config():
         quantization=None)
     assert engine_config(parse(['chat', '--enable-torch-compile'])).enable_torch_compile
     assert engine_config(parse(['serve', '--async-scheduling'])).async_scheduling
+    assert engine_config(parse(['serve', '--no-async-scheduling'])).async_scheduling is False
+    assert engine_config(parse(['serve'])).async_scheduling is None     # the device decides
     assert engine_config(parse(['generate', '--quantization', 'int8', 'hi'])).quantization \
         == 'int8'
     assert engine_config(parse(['generate', '--dtype', 'float64', 'hi'])).dtype == torch.float64

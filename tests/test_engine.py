@@ -17,6 +17,7 @@ import transformers
 
 from petite_llm.config import ModelConfig
 from petite_llm.engine import LLM, LLMEngine
+from petite_llm.engine_config import EngineConfig
 from petite_llm.layers.linear import PackedLinear, packed_linear_available, prepack_linears
 from petite_llm.paging import kv_bytes_per_block
 from petite_llm.sampling import SamplingParams
@@ -564,15 +565,15 @@ def test_compile_refusals(f64, monkeypatch):
 # --- one EngineConfig; the GPU memory rule, on fake readings -----------------------------------
 
 def test_engine_config_is_what_llm_and_the_engine_keep(f64):
-    "Keyword options update the default EngineConfig; a misspelt one names the real ones."
-    from petite_llm.engine_config import EngineConfig
+    "Keyword options update the default EngineConfig (the device's choice of overlap filled in)."
     path, _ = f64
     llm = LLM(path, block_size=4, kv_cache_memory=1 << 20, max_num_batched_tokens=32)
     assert llm.engine.config == EngineConfig(block_size=4, kv_cache_memory=1 << 20,
-                                             max_num_batched_tokens=32)
+                                             max_num_batched_tokens=32, async_scheduling=False)
     assert llm.engine.scheduler.max_num_seqs == 32    # no more sequences than tokens a step
     config = EngineConfig(block_size=8, kv_cache_memory=1 << 20)
-    assert LLM(path, config, max_model_len=64).engine.config == config.updated(max_model_len=64)
+    assert (LLM(path, config, max_model_len=64).engine.config ==
+            config.updated(max_model_len=64, async_scheduling=False))
     with pytest.raises(TypeError, match="max_model_len"):
         LLM(path, max_model_length=64)
     with pytest.raises(ValueError, match="from_pretrained"):
@@ -813,3 +814,19 @@ def test_a_dropped_engine_leaves_no_pool_on_the_model(tmp_path):
     gc.collect()
     assert pool() is None
     assert all(getattr(m, 'kv_cache', None) is None for m in model.modules())
+
+
+def test_async_scheduling_default_follows_the_device():
+    "None: on for one CUDA rank without speculation, off on a CPU; an explicit value wins."
+    config = EngineConfig()
+    assert config.overlaps('cuda') and not config.overlaps('cpu')
+    assert not config.updated(speculative_config={'method': 'ngram'}).overlaps('cuda')
+    assert not config.updated(tensor_parallel_size=2).overlaps('cuda')
+    assert config.updated(async_scheduling=True).overlaps('cpu')
+    assert not config.updated(async_scheduling=False).overlaps('cuda')
+
+
+def test_the_engine_records_its_overlap(f64):
+    "On a CPU the default engine runs serial steps, and its config says so."
+    path, _ = f64
+    assert LLM(path, kv_cache_memory=1 << 20).engine.config.async_scheduling is False
