@@ -101,8 +101,11 @@ test: setup chromium
 	  exit 1; fi
 	@echo "== $$(date -u +%T) nbdev_test: every notebook, cells flagged slow/gpu skipped"
 	$(INTERPRET_TRITON) $(BIN)/nbdev_test
-	@echo "== $$(date -u +%T) pytest (not slow; the kernel compile check is the next stage)"
-	$(PY) -m pytest -rs -m "not slow" --ignore=tests/test_kernel_compile.py tests || { rc=$$?; \
+	@echo "== $$(date -u +%T) the package's shape: parts, arrows, circles, docstrings, lengths"
+	$(PY) tools/import_graph.py | grep -v '^[a-z_.]* *->'
+	@echo "== $$(date -u +%T) pytest (not slow; both cores; the kernel compile check is the next stage)"
+	$(PY) -m pytest -rs -m "not slow" -n 2 --dist loadfile --durations=15 \
+	  --ignore=tests/test_kernel_compile.py tests || { rc=$$?; \
 	  if [ $$rc = 5 ]; then echo "pytest collected no test: that is a failure"; fi; exit $$rc; }
 	@echo "== $$(date -u +%T) kernels compile for sm_80 and sm_90 (every variant the engine launches)"
 	$(PY) -m pytest -q -rP tests/test_kernel_compile.py

@@ -10,8 +10,8 @@ __all__ = ['LLM', 'LLMEngine', 'EngineConfig', 'SamplingParams']
 # docstring nbdev writes first, so that petite_llm.__doc__ is set
 __version__ = "0.1.0"
 # what `from petite_llm import ...` offers, as vLLM users type it
-from .engine import LLM, LLMEngine
-from .engine_config import EngineConfig
-from .sampling import SamplingParams
+from .engine.llm_engine import LLM, LLMEngine
+from .engine.config import EngineConfig
+from .model.sampling import SamplingParams
 # nbdev's `_all_`: imported names go into `__all__` only when named here
 _all_ = ['LLM', 'LLMEngine', 'EngineConfig', 'SamplingParams']

@@ -1,5 +1,5 @@
 """Test doubles: a model for the scheduler's tests that needs no tensors (chapter 12's FakeModel)."""
-from petite_llm.scheduler import SchedulerOutput, Sequence
+from petite_llm.engine.scheduler import SchedulerOutput, Sequence
 
 
 class FakeModel:

@@ -179,7 +179,7 @@ def qwen3_tokenizer_dir() -> Path:
     folder = _cache_root() / f"qwen3_tokenizer_{key}"
     if all((folder / f).is_file() for f in FILES):
         return folder
-    from petite_llm.tokenizer import tokenizer_from_tiktoken
+    from petite_llm.model.tokenizer import tokenizer_from_tiktoken
 
     added = [(tok, QWEN3_ADDED_IDS[tok], special) for tok, special in QWEN3_ADDED_TOKENS]
     backend = tokenizer_from_tiktoken(ranks, added=added, pre="qwen2")

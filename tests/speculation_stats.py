@@ -2,8 +2,8 @@
 the first two emitted tokens, and compare their frequencies with the target's (chi-square)."""
 import torch
 
-from petite_llm.sampling import draw, exponential_noise
-from petite_llm.speculative import emitted_tokens, verify_drafts
+from petite_llm.model.sampling import draw, exponential_noise
+from petite_llm.engine.speculative import emitted_tokens, verify_drafts
 
 
 def speculate_pairs(target_probs: torch.Tensor, draft_probs: torch.Tensor, first_token: int,

@@ -11,12 +11,12 @@ import torch.nn.functional as F
 import transformers
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from petite_llm.backends import AttentionMetadata, TorchAttentionBackend
-from petite_llm.batch_invariant import (BatchInvariantAttention, BatchInvariantLinear,
+from petite_llm.engine.backends import AttentionMetadata, TorchAttentionBackend
+from petite_llm.engine.batch_invariant import (BatchInvariantAttention, BatchInvariantLinear,
                                         make_batch_invariant)
-from petite_llm.engine import LLM
-from petite_llm.layers.linear import PackedLinear, packed_linear_available
-from petite_llm.sampling import SamplingParams
+from petite_llm.engine.llm_engine import LLM
+from petite_llm.model.layers.linear import PackedLinear, packed_linear_available
+from petite_llm.model.sampling import SamplingParams
 
 VOCAB = 1000
 # tiny models: one torch thread (tests/conftest.py)
@@ -154,7 +154,7 @@ def test_refuses_torch_compile(bf16_path):
 
 
 def test_log_names_the_mode(bf16_path, caplog):
-    with caplog.at_level('INFO', logger='petite_llm.engine'):
+    with caplog.at_level('INFO', logger='petite_llm.engine.llm_engine'):
         _llm(bf16_path)
     backend = 'triton' if torch.cuda.is_available() else 'torch'       # each device's default
     assert f"attention backend: {backend} (batch-invariant)" in caplog.text

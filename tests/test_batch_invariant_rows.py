@@ -11,14 +11,14 @@ import torch
 import transformers
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from petite_llm.backends import AttentionMetadata
-from petite_llm.batch_invariant import BatchInvariantAttention, BatchInvariantLinear
-from petite_llm.engine import LLM
-from petite_llm.layers.linear import PackedLinear, packed_linear_available
-from petite_llm.layers.norm import RMSNorm
-from petite_llm.layers.rope import RotaryEmbedding
-from petite_llm.quantization import Int8Linear
-from petite_llm.sampling import Sampler, SamplingParams
+from petite_llm.engine.backends import AttentionMetadata
+from petite_llm.engine.batch_invariant import BatchInvariantAttention, BatchInvariantLinear
+from petite_llm.engine.llm_engine import LLM
+from petite_llm.model.layers.linear import PackedLinear, packed_linear_available
+from petite_llm.model.layers.norm import RMSNorm
+from petite_llm.model.layers.rope import RotaryEmbedding
+from petite_llm.model.quantization import Int8Linear
+from petite_llm.model.sampling import Sampler, SamplingParams
 
 BATCHES = [2, 3, 7, 32]
 # (query heads, KV heads, head_dim): MQA, GQA of 2, 3 and 8 KV heads; head_dim 32, 64, 128

@@ -4,9 +4,9 @@ mixed-length prompts, behind a 16-token step budget, and after a prefix-cache hi
 import pytest
 import torch
 
-from petite_llm.engine import LLM
-from petite_llm.sampling import SamplingParams
-from petite_llm.weights import smollm2_gguf_path
+from petite_llm.engine.llm_engine import LLM
+from petite_llm.model.sampling import SamplingParams
+from petite_llm.model.weights import smollm2_gguf_path
 
 PROBES = ["Name three colours.", "The capital of Italy is", "def quicksort(xs):",
           "Water boils at", "In 1969, the first"]

@@ -7,9 +7,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from petite_llm.bench import (add_arguments, linear_shapes, packed_linear_available, run,
+from petite_llm.bench.offline import (add_arguments, linear_shapes, packed_linear_available, run,
                               weight_bytes)
-from petite_llm.bench_peers import (SHAPES, as_dtype, dtype_name, make_random_checkpoint,
+from petite_llm.bench.peers import (SHAPES, as_dtype, dtype_name, make_random_checkpoint,
                                     make_requests, shape_config)
 
 
@@ -100,7 +100,7 @@ def test_only_the_engines_own_figures_in_seconds(tmp_path, capsys):
 
 
 def test_bad_arguments_raise_clear_errors():
-    from petite_llm.bench import run_benchmark
+    from petite_llm.bench.offline import run_benchmark
     with pytest.raises(ValueError, match='unknown shape'):
         shape_config('qwen3-7b')
     with pytest.raises(ValueError, match='decode_tokens'):
@@ -110,7 +110,7 @@ def test_bad_arguments_raise_clear_errors():
 
 
 def test_dtypes_come_from_the_one_table():
-    "as_dtype reads petite_llm.config's table (any spelling) and refuses None and 'auto'."
+    "as_dtype reads petite_llm.model.config's table (any spelling) and refuses None and 'auto'."
     assert as_dtype('BF16') is torch.bfloat16 and as_dtype('torch.float16') is torch.float16
     assert as_dtype(torch.float32) is torch.float32 and dtype_name('fp64') == 'float64'
     for bad in (None, 'auto'):
@@ -137,8 +137,8 @@ class FakeDevice:
 
 @pytest.fixture(scope='module')
 def tiny_engine_factory(tmp_path_factory):
-    from petite_llm.engine import LLM
-    from petite_llm.sampling import SamplingParams
+    from petite_llm.engine.llm_engine import LLM
+    from petite_llm.model.sampling import SamplingParams
     path = make_random_checkpoint(tmp_path_factory.mktemp('ck'), shape='tiny', num_layers=1)
 
     def make(device: FakeDevice):
@@ -167,7 +167,7 @@ def tiny_engine_factory(tmp_path_factory):
 
 
 def test_time_step_parts_charges_queued_work_to_the_part_that_queued_it(tiny_engine_factory):
-    from petite_llm.bench_profile import time_step_parts
+    from petite_llm.bench.profile import time_step_parts
     device = FakeDevice()
     step_ms, parts = time_step_parts(tiny_engine_factory(device), 3, device.clock,
                                      device.synchronize)
@@ -179,7 +179,7 @@ def test_time_step_parts_charges_queued_work_to_the_part_that_queued_it(tiny_eng
 
 def test_time_step_parts_without_synchronize_misplaces_the_forward(tiny_engine_factory):
     "What a CPU clock around asynchronous launches reports: the forward costs nothing."
-    from petite_llm.bench_profile import time_step_parts
+    from petite_llm.bench.profile import time_step_parts
     device = FakeDevice()
     step_ms, parts = time_step_parts(tiny_engine_factory(device), 3, device.clock)
     assert parts['model forward'] == 0.0 and parts['lm_head and sampling'] == pytest.approx(6.0)
@@ -189,7 +189,7 @@ def test_time_step_parts_without_synchronize_misplaces_the_forward(tiny_engine_f
 @pytest.fixture(scope='module')
 def cheap_cost():
     "invariance_cost at its batch sizes on a one-layer tiny model, one short run of each figure."
-    from petite_llm.bench_invariance import invariance_cost
+    from petite_llm.bench.invariance import invariance_cost
     return invariance_cost(layers=1, steps=1, repeats=1, rounds=1, prefill_len=16)
 
 
@@ -210,7 +210,7 @@ def test_invariance_cost_reports_both_modes_at_each_batch_size(cheap_cost):
 
 def test_only_invariance_runs_that_section_alone(cheap_cost, tmp_path, capsys, monkeypatch):
     "--only invariance: its options reach invariance_cost; JSON on stdout, bench_invariance.json."
-    import petite_llm.bench as bench
+    import petite_llm.bench.offline as bench
     calls = []
     monkeypatch.setattr(bench, 'invariance_cost', lambda **kw: calls.append(kw) or cheap_cost)
     res = run(_parse('--only', 'invariance', '--layers', '1', '--out', str(tmp_path)))

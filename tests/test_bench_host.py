@@ -5,7 +5,7 @@ import json, math, os, subprocess, sys, textwrap
 
 import torch
 
-from petite_llm.bench_host import LaunchCounter, engine_table, host_work
+from petite_llm.bench.host import LaunchCounter, engine_table, host_work
 
 
 def _in_interpreter(code: str) -> dict:
@@ -41,7 +41,7 @@ def test_a_counter_is_left_behind_cleanly():
 def test_a_triton_kernel_launched_twice_counts_two_and_hides_the_interpreters_ops():
     launches = _in_interpreter('''
         import json, torch, triton, triton.language as tl
-        from petite_llm.bench_host import LaunchCounter
+        from petite_llm.bench.host import LaunchCounter
 
         @triton.jit
         def add_one(x_ptr, n, BLOCK: tl.constexpr):
@@ -60,7 +60,7 @@ def test_a_triton_kernel_launched_twice_counts_two_and_hides_the_interpreters_op
 def test_kernels_per_layer_are_positive_and_the_same_for_every_pair_of_depths():
     figures = _in_interpreter('''
         import json
-        from petite_llm.bench_host import launches_per_layer
+        from petite_llm.bench.host import launches_per_layer
         print(json.dumps([launches_per_layer((1, 2)), launches_per_layer((2, 3))]))''')
     one_two, two_three = figures
     for backend in ('triton', 'torch'):

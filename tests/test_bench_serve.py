@@ -1,4 +1,4 @@
-"""`petite-llm bench serve` (petite_llm.bench_serve): the workload, the arithmetic of the figures,
+"""`petite-llm bench serve` (petite_llm.bench.serving): the workload, the arithmetic of the figures,
 the server subprocesses, and a whole run that starts and stops its own server.
 
 No timing is asserted: only counts, token totals, and that latencies are positive and ordered. The
@@ -14,11 +14,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from petite_llm.bench_serve import (RequestResult, ServerFailed, exact_length_body, free_port,
+from petite_llm.bench.serving import (RequestResult, ServerFailed, exact_length_body, free_port,
                                     latency_stats, make_load, poisson_arrivals, running_server,
                                     serve_ratios, server_command, summarize)
-from petite_llm.cli import main
-from petite_llm.tokenizer import Tokenizer
+from petite_llm.cli.main import main
+from petite_llm.model.tokenizer import Tokenizer
 
 sys.path.insert(0, str(Path(__file__).parent))
 from qwen3_tokenizer import qwen3_tokenizer_dir  # noqa: E402

@@ -10,7 +10,7 @@ from contextlib import redirect_stderr, redirect_stdout
 import pytest
 import torch
 
-from petite_llm.cli import build_parser, main
+from petite_llm.cli.main import build_parser, main
 
 
 def run(argv, stdin=None, monkeypatch=None):
@@ -40,7 +40,7 @@ def test_help(argv):
 
 
 def test_help_is_fast_and_works_as_a_script():
-    script = 'import sys; from petite_llm.cli import main; sys.exit(main())'
+    script = 'import sys; from petite_llm.cli.main import main; sys.exit(main())'
     r = subprocess.run([sys.executable, '-c', script, '--help'],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0
@@ -81,8 +81,8 @@ def test_invalid_sampling_values_exit_2(argv, msg):
 
 def test_engine_config():
     "The model flags become one EngineConfig, with vLLM's speculative_config keys."
-    from petite_llm.cli_runner import engine_config
-    from petite_llm.engine_config import EngineConfig
+    from petite_llm.cli.runner import engine_config
+    from petite_llm.engine.config import EngineConfig
     parse = build_parser().parse_args
     assert engine_config(parse(['generate', '--device', 'cpu', 'hi'])) == EngineConfig(
         device='cpu', attention_backend='auto', enforce_eager=False, enable_torch_compile=False,
@@ -110,7 +110,7 @@ def test_engine_config():
 @pytest.mark.parametrize('command', [['generate', 'hi'], ['chat'], ['serve']])
 def test_batch_invariant_flag_reaches_the_engine_config(command):
     "--batch-invariant on every model command sets EngineConfig.batch_invariant; off by default."
-    from petite_llm.cli_runner import engine_config
+    from petite_llm.cli.runner import engine_config
     parse = build_parser().parse_args
     assert engine_config(parse([*command, '--batch-invariant'])).batch_invariant
     assert not engine_config(parse(command)).batch_invariant
@@ -119,7 +119,7 @@ def test_batch_invariant_flag_reaches_the_engine_config(command):
 
 def test_serve_limit_flags():
     "`petite-llm serve` takes chapter 16's limits; a bad one is a clear error, not a server."
-    from petite_llm.server_limits import ServerLimits, limits_from_args
+    from petite_llm.serve.limits import ServerLimits, limits_from_args
     parse = build_parser().parse_args
     assert limits_from_args(parse(['serve'])) == ServerLimits()
     limits = limits_from_args(parse(['serve', '--max-n', '4', '--max-logprobs', '5']))
@@ -172,7 +172,7 @@ class FakeRunner:
         return [1, 2, 3]
 
     def stream(self, prompt, params, priority=0):
-        from petite_llm.generate import GenerationResult, GenerationStream
+        from petite_llm.model.generate import GenerationResult, GenerationStream
         reply = self.replies.pop(0)
 
         def steps():
@@ -187,7 +187,7 @@ class FakeRunner:
 
 
 def test_chat_repl_history_think_and_ctrl_c(monkeypatch):
-    import petite_llm.cli as cli
+    import petite_llm.cli.main as cli
     fake = FakeRunner(['<think>pondering</think>Paris.', 'Lyon is big!ger', 'Hi.'])
     monkeypatch.setattr(cli, '_load', lambda args: fake)
     monkeypatch.setattr('sys.stdin', io.StringIO('capital?\nsecond city?\n/reset\nhello\n'))
@@ -212,8 +212,8 @@ def test_chat_repl_history_think_and_ctrl_c(monkeypatch):
 
 
 def test_explain_lines():
-    from petite_llm.cli_explain import explain_lines
-    from petite_llm.generate import GenerationResult
+    from petite_llm.cli.explain import explain_lines
+    from petite_llm.model.generate import GenerationResult
 
     class Tok:
         def __len__(self):
@@ -236,13 +236,13 @@ def test_explain_lines():
 @pytest.fixture(scope='module')
 def loaded():
     "One engine on the default model, shared by the tests below (loading is most of their time)."
-    import petite_llm.cli as cli
+    import petite_llm.cli.main as cli
     return cli.Runner(cli.default_model(), cli.engine_config(build_parser().parse_args(['chat'])))
 
 
 @pytest.fixture
 def shared_runner(monkeypatch, loaded):
-    import petite_llm.cli as cli
+    import petite_llm.cli.main as cli
     monkeypatch.setattr(cli, '_load', lambda args: loaded)
 
 
@@ -324,8 +324,8 @@ petite_llm:time_to_first_token_seconds_sum 4.0
 
 def test_parse_metrics_and_quantiles():
     import math
-    from petite_llm.cli_top import histogram_quantile
-    from petite_llm.server_metrics import parse_metrics
+    from petite_llm.cli.top import histogram_quantile
+    from petite_llm.serve.metrics import parse_metrics
     m = parse_metrics(METRICS_TEXT)
     assert m['petite_llm:num_requests_running'] == 4
     assert m['petite_llm:kv_cache_usage_perc'] == 0.625

@@ -9,12 +9,12 @@ import pytest
 import torch
 import transformers
 
-from petite_llm.backends import AttentionMetadata
-from petite_llm.config import ModelConfig
-from petite_llm.engine import LLM, LLMEngine
-from petite_llm.runner import CUDAGraphs, cuda_graph_batch_sizes
-from petite_llm.model import Qwen3ForCausalLM
-from petite_llm.sampling import SamplingParams
+from petite_llm.engine.backends import AttentionMetadata
+from petite_llm.model.config import ModelConfig
+from petite_llm.engine.llm_engine import LLM, LLMEngine
+from petite_llm.engine.runner import CUDAGraphs, cuda_graph_batch_sizes
+from petite_llm.model.qwen3 import Qwen3ForCausalLM
+from petite_llm.model.sampling import SamplingParams
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

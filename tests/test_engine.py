@@ -15,14 +15,14 @@ import pytest
 import torch
 import transformers
 
-from petite_llm.config import ModelConfig
-from petite_llm.engine import LLM, LLMEngine
-from petite_llm.engine_config import EngineConfig
-from petite_llm.layers.linear import PackedLinear, packed_linear_available, prepack_linears
-from petite_llm.paging import kv_bytes_per_block
-from petite_llm.sampling import SamplingParams
-from petite_llm.scheduler import SchedulerStats
-from petite_llm.weights import load_model
+from petite_llm.model.config import ModelConfig
+from petite_llm.engine.llm_engine import LLM, LLMEngine
+from petite_llm.engine.config import EngineConfig
+from petite_llm.model.layers.linear import PackedLinear, packed_linear_available, prepack_linears
+from petite_llm.engine.paging import kv_bytes_per_block
+from petite_llm.model.sampling import SamplingParams
+from petite_llm.engine.scheduler import SchedulerStats
+from petite_llm.model.weights import load_model
 
 VOCAB, EOS = 300, 2
 
@@ -213,7 +213,7 @@ def test_n_samples(f64):
 def test_refusals_keep_the_engine_running(f64, caplog):
     "Too long for max_model_len or the pool: a clear ValueError before scheduling; then all runs."
     path, hf = f64
-    with caplog.at_level(logging.INFO, logger="petite_llm.engine"):
+    with caplog.at_level(logging.INFO, logger="petite_llm.engine.llm_engine"):
         llm = LLM(path, block_size=4, kv_cache_memory=_pool(path, 16, 4), max_model_len=128)
     assert "KV cache: 16 blocks" in caplog.text and llm.kv_cache_memory == _pool(path, 16, 4)
     with pytest.raises(ValueError, match=r"200 tokens.*max_model_len=128"):
@@ -430,7 +430,7 @@ def test_engine_stats_extend_the_scheduler_stats(f64):
 def test_default_kv_budget_is_logged(f64, caplog):
     "Without kv_cache_memory the CPU budget comes from available memory (capped), and is logged."
     path, hf = f64
-    with caplog.at_level(logging.INFO, logger="petite_llm.engine"):
+    with caplog.at_level(logging.INFO, logger="petite_llm.engine.llm_engine"):
         llm = LLM(path, max_num_seqs=4)
     assert "available memory" in caplog.text
     per_token = kv_bytes_per_block(ModelConfig.from_pretrained(path), 1, torch.float64)
@@ -492,7 +492,7 @@ def test_only_bf16_is_packed(f32):
 
 def test_dtype_names_come_from_the_one_table(f32, f64):
     "dtype= takes any spelling of the table; None and 'auto' run float32 in the default dtype."
-    from petite_llm.loading import default_dtype
+    from petite_llm.engine.loading import default_dtype
     path = f32[0]
     for dtype, want in [('FP64', torch.float64), ('torch.float64', torch.float64),
                         ('fp32', torch.float32),
@@ -511,7 +511,7 @@ def test_dtype_names_come_from_the_one_table(f32, f64):
                                                   (False, False, torch.float32)])
 def test_default_dtype_follows_the_cpu(monkeypatch, amx, avx512_bf16, want):
     "bfloat16 only where the CPU computes it natively (AMX or AVX512-BF16), else float32."
-    from petite_llm.loading import default_dtype, native_bf16
+    from petite_llm.engine.loading import default_dtype, native_bf16
     monkeypatch.setattr(torch.cpu, '_is_amx_tile_supported', lambda: amx)
     monkeypatch.setattr(torch.cpu, '_is_avx512_bf16_supported', lambda: avx512_bf16)
     assert default_dtype('cpu') == want
@@ -520,7 +520,7 @@ def test_default_dtype_follows_the_cpu(monkeypatch, amx, avx512_bf16, want):
 
 def test_quantization_int8_through_llm(f32):
     "LLM(quantization='int8'): no float linear is left and it generates; bad values are refused."
-    from petite_llm.quantization import Int8Linear
+    from petite_llm.model.quantization import Int8Linear
     path, hf = f32
     llm = LLM(path, dtype=torch.float32, quantization='int8', kv_cache_memory=1 << 20)
     linears = [m for m in llm.engine.model.modules() if isinstance(m, torch.nn.Linear)]
@@ -536,9 +536,9 @@ def test_quantization_int8_through_llm(f32):
 
 def test_quantization_reads_q8_0_from_a_gguf_in_a_folder(tmp_path, caplog):
     "A folder holding one .gguf is that file: its Q8_0 matrix (SmolLM2's head) comes from its blocks."
-    from petite_llm.weights import smollm2_gguf_path
+    from petite_llm.model.weights import smollm2_gguf_path
     (tmp_path/'model.gguf').symlink_to(smollm2_gguf_path())
-    with caplog.at_level(logging.INFO, logger="petite_llm.engine"):
+    with caplog.at_level(logging.INFO, logger="petite_llm.engine.llm_engine"):
         LLM(tmp_path, quantization='int8', kv_cache_memory=1 << 20)
     assert "(1 of them read from Q8_0 blocks)" in caplog.text
 
@@ -554,7 +554,7 @@ def test_compiled_engine_greedy_parity_f64(f64):
 
 def test_compile_refusals(f64, monkeypatch):
     "torch.compile is refused off the CPU and without a C++ compiler, each with what to do."
-    from petite_llm.runner import compile_model
+    from petite_llm.engine.runner import compile_model
     with pytest.raises(ValueError, match="CUDA graphs"):
         compile_model(torch.nn.Linear(2, 2, device='meta'))
     monkeypatch.setenv('CXX', 'no-such-c++-compiler')
@@ -592,7 +592,7 @@ class FakeGPU:
 
 def _start(gpu, utilization, weights=3 * 2**30, activations=2**30):
     "An engine's start: its weights, then the KV pool the rule sizes from the readings."
-    from petite_llm.engine_config import gpu_kv_cache_budget
+    from petite_llm.engine.config import gpu_kv_cache_budget
     gpu.allocate(weights)
     kv = gpu_kv_cache_budget(gpu.total, gpu.total - gpu.used, weights, activations, utilization)
     gpu.allocate(kv)
@@ -626,28 +626,28 @@ def test_gpu_memory_utilization_composes():
     ('cuda', 24, 'NVIDIA L4', (8192, 256))])
 def test_batch_defaults_follow_the_device(device_type, total_gib, name, want):
     "Unset batch limits: vLLM's LLM-class defaults by GPU memory and name; the CPU's own."
-    from petite_llm.engine_config import batch_defaults
+    from petite_llm.engine.config import batch_defaults
     assert batch_defaults(device_type, total_gib * 2**30, name) == want
 
 
 def test_batch_limits_given_win_and_seqs_never_exceed_tokens():
     "A given limit is kept; max_num_seqs defaults to no more than max_num_batched_tokens."
-    from petite_llm.engine_config import EngineConfig
+    from petite_llm.engine.config import EngineConfig
     assert EngineConfig().batch_limits('cpu') == (2048, 256)
     assert EngineConfig(max_num_batched_tokens=64).batch_limits('cpu') == (64, 64)
     assert EngineConfig(max_num_seqs=8).batch_limits('cpu') == (2048, 8)
 
 
 def test_too_little_room_names_the_sizes_and_the_fix():
-    from petite_llm.engine_config import gpu_kv_cache_budget
+    from petite_llm.engine.config import gpu_kv_cache_budget
     with pytest.raises(ValueError, match=r"weights take 30.00 GiB.*raise gpu_memory_utilization"):
         gpu_kv_cache_budget(80 * 2**30, 79 * 2**30, 30 * 2**30, 2**30, 0.3)
 
 
 def test_engine_sizes_its_pool_before_allocating(f64, monkeypatch):
     "A refused budget leaves nothing allocated: the KV pool is sized before the runner exists."
-    import petite_llm.engine_config as engine_config
-    import petite_llm.runner as runner
+    import petite_llm.engine.config as engine_config
+    import petite_llm.engine.runner as runner
     path, _ = f64
     model = LLM(path, kv_cache_memory=1 << 20).engine.model
     allocated = []

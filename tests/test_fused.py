@@ -3,7 +3,8 @@ against chapter 04, fused_add_rms_norm without a residual, and the engine's fuse
 `triton` backend against transformers (greedy tokens in float64) and in kernel launches.
 
 Without a GPU the kernels run in Triton's interpreter (tests/conftest.py switches it on before
-petite_llm.kernels defines them); shapes stay small, as each program instance costs milliseconds.
+petite_llm.engine.kernels defines them); shapes stay small, as each program instance costs
+milliseconds.
 """
 import os
 
@@ -16,14 +17,14 @@ import pytest
 import torch.nn.functional as F
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from petite_llm.backends import store_kv
-from petite_llm.bench_host import launches_per_layer
-from petite_llm.engine import LLMEngine
-from petite_llm.fused import cos_sin_cache, qk_norm_rope_store, silu_and_mul
-from petite_llm.kernels import FusedModelBody, fused_add_rms_norm
-from petite_llm.layers.norm import RMSNorm
-from petite_llm.layers.rope import RotaryEmbedding
-from petite_llm.sampling import SamplingParams
+from petite_llm.engine.backends import store_kv
+from petite_llm.bench.host import launches_per_layer
+from petite_llm.engine.llm_engine import LLMEngine
+from petite_llm.engine.fused import cos_sin_cache, qk_norm_rope_store, silu_and_mul
+from petite_llm.engine.kernels import FusedModelBody, fused_add_rms_norm
+from petite_llm.model.layers.norm import RMSNorm
+from petite_llm.model.layers.rope import RotaryEmbedding
+from petite_llm.model.sampling import SamplingParams
 from test_parity import hf_greedy, make_checkpoint, prompts
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

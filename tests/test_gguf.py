@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from petite_llm.weights import load_model, qwen25_coder_gguf_path, smollm2_gguf_path
+from petite_llm.model.weights import load_model, qwen25_coder_gguf_path, smollm2_gguf_path
 
 PROMPTS = ['The capital of France is', 'def fibonacci(n):',
            '<|im_start|>user\nWhat is 12 times 7?<|im_end|>\n<|im_start|>assistant\n']

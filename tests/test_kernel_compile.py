@@ -13,13 +13,13 @@ import pytest
 import triton
 import triton.language as tl
 
-from petite_llm.config import ModelConfig
-from petite_llm.engine import LLMEngine
-from petite_llm.kernel_compile import (GPU_TARGETS, compile_for_gpus, compile_report,
+from petite_llm.model.config import ModelConfig
+from petite_llm.engine.llm_engine import LLMEngine
+from petite_llm.engine.kernel_compile import (GPU_TARGETS, compile_for_gpus, compile_report,
                                        record_launches)
-from petite_llm.model import Qwen3ForCausalLM
-from petite_llm.paging import kv_bytes_per_block
-from petite_llm.sampling import SamplingParams
+from petite_llm.model.qwen3 import Qwen3ForCausalLM
+from petite_llm.engine.paging import kv_bytes_per_block
+from petite_llm.model.sampling import SamplingParams
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -3,8 +3,8 @@ RMSNorm), on random inputs drawn by hypothesis, and the engine on the `triton` b
 engine on the `torch` backend.
 
 Without a GPU the kernels run in Triton's interpreter, which must be switched on before
-petite_llm.kernels defines them (tests/conftest.py does so too). The interpreter has no bfloat16,
-so on a CPU the kernels are checked in float32 (tight), float16 and float64; the bfloat16 checks
+petite_llm.engine.kernels defines them (tests/conftest.py does so too). The interpreter has no
+bfloat16, so on a CPU the kernels are checked in float32 (tight), float16 and float64; the bfloat16 checks
 are marked `gpu`. Shapes are small: the interpreter runs the programs one after another.
 """
 import os
@@ -21,15 +21,15 @@ import pytest
 import transformers
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from petite_llm.backends import TorchAttentionBackend, store_kv
-from petite_llm.config import ModelConfig
-from petite_llm.engine import LLMEngine
-import petite_llm.kernels as kernels
-from petite_llm.kernels import (TritonAttentionBackend, fused_add_rms_norm, num_kv_splits,
+from petite_llm.engine.backends import TorchAttentionBackend, store_kv
+from petite_llm.model.config import ModelConfig
+from petite_llm.engine.llm_engine import LLMEngine
+import petite_llm.engine.kernels as kernels
+from petite_llm.engine.kernels import (TritonAttentionBackend, fused_add_rms_norm, num_kv_splits,
                                 split_kv_attention, triton_store_kv, unified_attention)
-from petite_llm.layers.norm import RMSNorm
-from petite_llm.paging import cdiv, kv_bytes_per_block
-from petite_llm.sampling import SamplingParams
+from petite_llm.model.layers.norm import RMSNorm
+from petite_llm.engine.paging import cdiv, kv_bytes_per_block
+from petite_llm.model.sampling import SamplingParams
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # on a GPU the softmax scale arrives as a float32 argument: float64 keeps ~1e-8 of it

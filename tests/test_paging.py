@@ -7,12 +7,12 @@ import pytest
 import torch
 from hypothesis import given, strategies as st
 
-from petite_llm.layers.attention import causal_attention
-from petite_llm.kv_cache import kv_bytes_per_token
-from petite_llm.backends import AttentionMetadata, TorchAttentionBackend, group_by_length
-from petite_llm.paging import (BlockManager, allocate_kv_cache, cdiv, check_block_accounting,
+from petite_llm.model.layers.attention import causal_attention
+from petite_llm.engine.kv_cache import kv_bytes_per_token
+from petite_llm.engine.backends import AttentionMetadata, TorchAttentionBackend, group_by_length
+from petite_llm.engine.paging import (BlockManager, allocate_kv_cache, cdiv, check_block_accounting,
                                hash_block, kv_bytes_per_block, num_kv_blocks)
-import petite_llm.paging as paging
+import petite_llm.engine.paging as paging
 
 
 class Seq:
@@ -37,7 +37,7 @@ def test_pool_sizing():
 
 
 def tiny_config(**kw):
-    from petite_llm.config import ModelConfig
+    from petite_llm.model.config import ModelConfig
     d = dict(model_type='qwen3', vocab_size=97, hidden_size=64, intermediate_size=96,
              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=24,
              rope_theta=1e6)
@@ -46,7 +46,7 @@ def tiny_config(**kw):
 
 
 def test_allocate_kv_cache_on_the_model():
-    from petite_llm.model import Qwen3ForCausalLM
+    from petite_llm.model.qwen3 import Qwen3ForCausalLM
     model = Qwen3ForCausalLM(tiny_config(num_hidden_layers=3)).to(torch.float64)
     caches = allocate_kv_cache(model, num_blocks=7, block_size=4)
     layers = [l.self_attn for l in model.model.layers]
@@ -254,7 +254,7 @@ def test_padding_slots_are_skipped(max_padding):
 @pytest.mark.parametrize("nkv", [1, 2])
 def test_model_paged_matches_reference_path(bs, nkv):
     "Chunked prefills and decodes of several sequences in mixed batches = the no-cache reference."
-    from petite_llm.model import Qwen3ForCausalLM
+    from petite_llm.model.qwen3 import Qwen3ForCausalLM
     torch.manual_seed(bs + nkv)
     model = Qwen3ForCausalLM(tiny_config(num_key_value_heads=nkv)).to(torch.float64).eval()
     rng = random.Random(bs)

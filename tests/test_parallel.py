@@ -25,13 +25,14 @@ import torch
 import torch.distributed as dist
 import transformers
 
-from petite_llm.config import ModelConfig
-from petite_llm.engine import LLM
-from petite_llm.layers.linear import packed_linear_available
-from petite_llm.paging import kv_bytes_per_block
-from petite_llm.parallel import (RowParallelLinear, TensorParallelError, check_tensor_parallel,
-                                 shard_config, tensor_parallel_sizes)
-from petite_llm.sampling import SamplingParams
+from petite_llm.model.config import ModelConfig
+from petite_llm.engine.llm_engine import LLM
+from petite_llm.model.layers.linear import packed_linear_available
+from petite_llm.engine.paging import kv_bytes_per_block
+from petite_llm.parallel.tensor_parallel import (RowParallelLinear, TensorParallelError,
+                                                 check_tensor_parallel, shard_config,
+                                                 tensor_parallel_sizes)
+from petite_llm.model.sampling import SamplingParams
 
 from test_parity import hf_greedy, make_checkpoint, prompts
 
@@ -190,7 +191,7 @@ def test_one_process_group_per_process(small):
 
 
 def test_a_built_model_is_refused(small):
-    from petite_llm.weights import load_model
+    from petite_llm.model.weights import load_model
     with pytest.raises(ValueError, match=r"pass the model's path"):
         LLM(load_model(small), tensor_parallel_size=2)
 
@@ -234,7 +235,7 @@ def test_a_worker_killed_during_a_step_is_a_clear_error(small):
 
 RANK0_DIES = """
 import os, sys
-from petite_llm.engine import LLM
+from petite_llm.engine.llm_engine import LLM
 if __name__ == '__main__':      # the workers are spawned: they import this file, not run it
     llm = LLM(sys.argv[1], tensor_parallel_size=2, device='cpu', kv_cache_memory=2**20)
     print(os.getpid(), *[p.pid for p in llm.engine.runner.workers.processes], flush=True)
@@ -265,8 +266,8 @@ def test_workers_exit_when_rank_0_dies(small, tmp_path):
 
 TORCHRUN = """
 import json, sys
-from petite_llm.engine import LLM
-from petite_llm.sampling import SamplingParams
+from petite_llm.engine.llm_engine import LLM
+from petite_llm.model.sampling import SamplingParams
 # every rank runs this script; on ranks other than 0, LLM() serves rank 0 and then exits
 llm = LLM(sys.argv[1], tensor_parallel_size=2, device='cpu', dtype='float64',
           kv_cache_memory=2**20)
@@ -329,7 +330,7 @@ def test_cli_answers_on_three_ranks():
     "petite-llm generate on SmolLM2 over 3 CPU processes: the same greedy text as one process."
     argv = ['generate', '--chat', '--temperature', '0', '--max-tokens', '16',
             'What is the capital of France?']
-    script = 'import sys; from petite_llm.cli import main; sys.exit(main())'
+    script = 'import sys; from petite_llm.cli.main import main; sys.exit(main())'
     texts = [subprocess.run([sys.executable, '-c', script, *argv, *extra],
                             capture_output=True, text=True, timeout=600, check=True).stdout
              for extra in ([], ['--tensor-parallel-size', '3'])]
@@ -353,7 +354,7 @@ def test_ngram_speculation_verifies_across_ranks(small):
 def test_a_dropped_engine_takes_its_workers(small, caplog):
     import gc
     # no no-tokenizer warning: a captured record's exception would hold the loading frames alive
-    with caplog.at_level(logging.ERROR, logger='petite_llm.engine'):
+    with caplog.at_level(logging.ERROR, logger='petite_llm.engine.llm_engine'):
         llm = _engine(small, 2, num_blocks=16)
     workers = multiprocessing.active_children()
     assert len(workers) == 1
@@ -364,7 +365,7 @@ def test_a_dropped_engine_takes_its_workers(small, caplog):
 
 def test_int8_slices_keep_their_scales():
     "A row-parallel slice keeps every row's scale; a column-parallel or vocabulary one its rows'."
-    from petite_llm.parallel import shard_int8
+    from petite_llm.parallel.tensor_parallel import shard_int8
     config = ModelConfig(model_type='llama', vocab_size=5, hidden_size=8, intermediate_size=8,
                          num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
                          head_dim=4)
@@ -382,12 +383,12 @@ def test_int8_slices_keep_their_scales():
 @pytest.mark.slow
 def test_smollm2_int8_over_three_ranks_reads_q8_0_slices(caplog, record_logits):
     "SmolLM2's Q8_0 head, sliced by vocabulary over 3 ranks: the first step's logits match 1 rank."
-    from petite_llm.weights import smollm2_gguf_path
+    from petite_llm.model.weights import smollm2_gguf_path
     batch = [[1, 504, 3458, 28, 1064], [9, 2135]]
     first = SamplingParams(temperature=0, max_tokens=1)
     logits = {}
     for size in (1, 3):
-        with caplog.at_level(logging.INFO, logger='petite_llm.engine'):
+        with caplog.at_level(logging.INFO, logger='petite_llm.engine.llm_engine'):
             llm = LLM(smollm2_gguf_path(), tensor_parallel_size=size, quantization='int8',
                       dtype='float32', device='cpu', kv_cache_memory=2**24)
         rows = record_logits(llm)
@@ -400,7 +401,7 @@ def test_smollm2_int8_over_three_ranks_reads_q8_0_slices(caplog, record_logits):
 
 
 def test_an_engine_of_a_built_model_refuses_ranks(small):
-    from petite_llm.engine import LLMEngine
-    from petite_llm.weights import load_model
+    from petite_llm.engine.llm_engine import LLMEngine
+    from petite_llm.model.weights import load_model
     with pytest.raises(ValueError, match=r"tensor_parallel_size apply when the engine loads"):
         LLMEngine(load_model(small), tensor_parallel_size=2)

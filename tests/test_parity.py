@@ -1,8 +1,8 @@
 """Parity with Hugging Face transformers (5.23.0, the version settings.ini pins), the oracle.
 
 Random-weight checkpoints are written by transformers' own `save_pretrained` (Qwen3, Qwen2 and
-Llama), loaded with `petite_llm.weights.load_model`, and compared with transformers on the same
-weights:
+Llama), loaded with `petite_llm.model.weights.load_model`, and compared with transformers on the
+same weights:
 
 - float32: max |logit difference| <= 1e-4 * max |logit| for several prompts;
 - float64: 32 greedy tokens identical to transformers `generate(do_sample=False)` (in float64
@@ -22,8 +22,8 @@ import torch
 import transformers
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from petite_llm.config import ModelConfig
-from petite_llm.weights import load_model
+from petite_llm.model.config import ModelConfig
+from petite_llm.model.weights import load_model
 
 torch.set_num_threads(1)    # tiny models gain nothing from threads, and CI's 2 cores are shared
 

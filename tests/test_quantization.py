@@ -11,15 +11,15 @@ import torch.nn.functional as F
 from gguf.quants import GGMLQuantizationType, dequantize, quantize
 from torch import nn
 
-from petite_llm.config import ModelConfig, _open_gguf
-from petite_llm.engine import LLM
-from petite_llm.layers.linear import packed_linear_available, prepack_linears
-from petite_llm.model import Qwen3ForCausalLM
-from petite_llm.quantization import (INT8_MM_MAX_ROWS, Int8Linear, load_q8_0, perplexity,
+from petite_llm.model.config import ModelConfig, _open_gguf
+from petite_llm.engine.llm_engine import LLM
+from petite_llm.model.layers.linear import packed_linear_available, prepack_linears
+from petite_llm.model.qwen3 import Qwen3ForCausalLM
+from petite_llm.model.quantization import (INT8_MM_MAX_ROWS, Int8Linear, load_q8_0, perplexity,
                                      q8_0_to_int8, quantize_int8, quantize_model)
-from petite_llm.sampling import SamplingParams
-from petite_llm.tokenizer import Tokenizer
-from petite_llm.weights import load_model, smollm2_gguf_path
+from petite_llm.model.sampling import SamplingParams
+from petite_llm.model.tokenizer import Tokenizer
+from petite_llm.model.weights import load_model, smollm2_gguf_path
 
 TEXT = Path(__file__).resolve().parent.parent/'data'/'alice_ch1-2.txt'
 CONFIG = ModelConfig('qwen3', vocab_size=512, hidden_size=128, intermediate_size=384,

@@ -9,7 +9,7 @@ from transformers.generation.logits_process import (
     MinPLogitsWarper, RepetitionPenaltyLogitsProcessor, TemperatureLogitsWarper, TopKLogitsWarper,
     TopPLogitsWarper)
 
-from petite_llm.sampling import (Sampler, SamplingParams, apply_min_p, apply_penalties,
+from petite_llm.model.sampling import (Sampler, SamplingParams, apply_min_p, apply_penalties,
                                  apply_repetition_penalty, apply_temperature, apply_top_k,
                                  apply_top_p, seed_for, token_counts)
 

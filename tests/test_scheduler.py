@@ -11,9 +11,9 @@ from collections import Counter
 import pytest
 from hypothesis import given, settings, strategies as st, HealthCheck
 
-from petite_llm.paging import BlockManager, cdiv, check_block_accounting
-from petite_llm.sampling import SamplingParams
-from petite_llm.scheduler import Scheduler, Sequence, SequenceStatus
+from petite_llm.engine.paging import BlockManager, cdiv, check_block_accounting
+from petite_llm.model.sampling import SamplingParams
+from petite_llm.engine.scheduler import Scheduler, Sequence, SequenceStatus
 from doubles import FakeModel
 
 EOS = 0
@@ -442,10 +442,10 @@ def test_lru_revives_freed_prefix_after_preemption():
 def test_scheduler_drives_the_real_model():
     "Scheduler, block manager, paged attention and the model, greedy in float64 = a no-cache loop."
     import torch
-    from petite_llm.config import ModelConfig
-    from petite_llm.model import Qwen3ForCausalLM
-    from petite_llm.backends import AttentionMetadata, TorchAttentionBackend
-    from petite_llm.paging import allocate_kv_cache
+    from petite_llm.model.config import ModelConfig
+    from petite_llm.model.qwen3 import Qwen3ForCausalLM
+    from petite_llm.engine.backends import AttentionMetadata, TorchAttentionBackend
+    from petite_llm.engine.paging import allocate_kv_cache
     torch.manual_seed(0)
     cfg = ModelConfig(model_type='qwen3', vocab_size=97, hidden_size=64, intermediate_size=96,
                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,

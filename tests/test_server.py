@@ -15,9 +15,9 @@ import pytest
 import torch
 import transformers
 
-from petite_llm.engine import LLM, LLMEngine
-from petite_llm.sampling import SamplingParams
-from petite_llm.async_engine import AsyncLLMEngine, StreamBacklogError
+from petite_llm.engine.llm_engine import LLM, LLMEngine
+from petite_llm.model.sampling import SamplingParams
+from petite_llm.serve.async_engine import AsyncLLMEngine, StreamBacklogError
 
 VOCAB, EOS = 300, 2
 
@@ -118,7 +118,7 @@ def test_concurrent_streams_equal_the_engine_alone(model, async_scheduling):
 
 def test_batch_invariant_option_reaches_the_async_engine(checkpoint, model):
     "AsyncLLMEngine.from_pretrained(..., batch_invariant=True): chapter 20's layers, lone tokens."
-    from petite_llm.batch_invariant import BatchInvariantLinear
+    from petite_llm.engine.batch_invariant import BatchInvariantLinear
     prompts = _prompts(6, seed=1)
     params = [SamplingParams(temperature=0, max_tokens=m) for m in (4, 9, 2, 12, 6, 8)]
     want = _alone(model, prompts, params)

@@ -7,9 +7,9 @@ from types import SimpleNamespace
 import pytest
 from fastapi.testclient import TestClient
 
-from petite_llm.async_engine import StreamBacklogError
-from petite_llm.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from petite_llm.server import build_app
+from petite_llm.serve.async_engine import StreamBacklogError
+from petite_llm.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from petite_llm.serve.server import build_app
 
 CONV = [{"role": "user", "content": "What is the capital of France?"}]
 

@@ -16,9 +16,9 @@ import pytest
 import torch
 import transformers
 
-from petite_llm.bench_serve import free_port
-from petite_llm.engine import LLM
-from petite_llm.sampling import SamplingParams
+from petite_llm.bench.serving import free_port
+from petite_llm.engine.llm_engine import LLM
+from petite_llm.model.sampling import SamplingParams
 
 openai = pytest.importorskip("openai")
 
@@ -49,7 +49,8 @@ def server(tmp_path_factory):
     path = tmp_path_factory.mktemp("qwen3_served")
     write_checkpoint(path)
     port, log = free_port(), open(path / "server.log", "w+")
-    cmd = [sys.executable, "-c", "import sys; from petite_llm.cli import main; sys.exit(main())",
+    main = "import sys; from petite_llm.cli.main import main; sys.exit(main())"
+    cmd = [sys.executable, "-c", main,
            "serve", str(path), "--port", str(port), "--api-key", KEY, "--served-model-name", NAME,
            "--dtype", "float64", "--device", "cpu", "--max-model-len", str(MAX_LEN),
            "--log-level", "warning"]
@@ -278,7 +279,7 @@ def test_malformed_json_and_api_keys(server, client):
 
 def test_load_generator_streams_every_request_with_its_tokens(server):
     "bench_serve.run_load: Poisson arrivals, a concurrency cap, exact lengths, ordered percentiles."
-    from petite_llm.bench_serve import make_load, run_load, summarize
+    from petite_llm.bench.serving import make_load, run_load, summarize
     base, llm = server
     load = make_load(llm.tokenizer, 12, 4, 24, seed=3)
     results, duration = asyncio.run(asyncio.wait_for(
@@ -303,7 +304,7 @@ def test_load_generator_streams_every_request_with_its_tokens(server):
 
 def test_load_generator_records_failures(server):
     "A request the server refuses is counted as failed, with its error, not raised."
-    from petite_llm.bench_serve import make_load, run_load, summarize
+    from petite_llm.bench.serving import make_load, run_load, summarize
     base, llm = server
     load = make_load(llm.tokenizer, 2, 4, 8, seed=4)
     results, duration = asyncio.run(asyncio.wait_for(

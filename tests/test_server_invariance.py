@@ -15,8 +15,8 @@ import contextlib
 import httpx
 import pytest
 
-from petite_llm.bench_serve import free_port, running_server, server_command
-from petite_llm.weights import smollm2_gguf_path
+from petite_llm.bench.serving import free_port, running_server, server_command
+from petite_llm.model.weights import smollm2_gguf_path
 
 openai = pytest.importorskip("openai")
 

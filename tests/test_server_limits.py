@@ -19,14 +19,14 @@ import pytest
 import torch
 import uvicorn
 
-from petite_llm.async_engine import AsyncLLMEngine
-from petite_llm.bench_serve import free_port
-from petite_llm.engine import LLMEngine
-from petite_llm.paging import check_block_accounting
-from petite_llm.server import build_app
-from petite_llm.server_limits import (CHARS_PER_BYTE, ServerLimits, add_limit_args,
+from petite_llm.serve.async_engine import AsyncLLMEngine
+from petite_llm.bench.serving import free_port
+from petite_llm.engine.llm_engine import LLMEngine
+from petite_llm.engine.paging import check_block_accounting
+from petite_llm.serve.server import build_app
+from petite_llm.serve.limits import (CHARS_PER_BYTE, ServerLimits, add_limit_args,
                                       limits_from_args, prompt_char_bound)
-from petite_llm.tokenizer import Tokenizer
+from petite_llm.model.tokenizer import Tokenizer
 from test_server_http import MAX_LEN, NAME, write_checkpoint
 
 openai = pytest.importorskip("openai")

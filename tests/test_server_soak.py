@@ -1,4 +1,4 @@
-"""A soak with faults (petite_llm.bench_soak) against a real server on 127.0.0.1: for a bounded
+"""A soak with faults (petite_llm.bench.soak) against a real server on 127.0.0.1: for a bounded
 time, Poisson arrivals of whole, streamed and slowly read requests, among clients that hang up
 mid-stream, send bad input or time out. Then every well-formed request must have got exactly its
 lone greedy answer (float32), /metrics must show nothing running or waiting and an empty KV pool,
@@ -13,9 +13,9 @@ import json
 
 import pytest
 
-from petite_llm.bench_serve import make_load
-from petite_llm.bench_soak import FAULTS, soak, soak_report
-from petite_llm.paging import check_block_accounting
+from petite_llm.bench.serving import make_load
+from petite_llm.bench.soak import FAULTS, soak, soak_report
+from petite_llm.engine.paging import check_block_accounting
 from test_server_http import NAME
 from test_server_limits import served_engine
 

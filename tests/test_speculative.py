@@ -8,8 +8,9 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from petite_llm.sampling import Sampler, SamplingParams, draw
-from petite_llm.speculative import SpeculativeConfig, emitted_tokens, ngram_propose, verify_drafts
+from petite_llm.model.sampling import Sampler, SamplingParams, draw
+from petite_llm.engine.speculative import (SpeculativeConfig, emitted_tokens, ngram_propose,
+                                           verify_drafts)
 from speculation_stats import pair_chi_square, speculate_pairs, wrong_acceptance, wrong_residual
 
 
@@ -165,9 +166,9 @@ from dataclasses import replace  # noqa: E402
 
 import transformers  # noqa: E402
 
-from petite_llm.config import ModelConfig  # noqa: E402
-from petite_llm.engine import LLM  # noqa: E402
-from petite_llm.paging import kv_bytes_per_block  # noqa: E402
+from petite_llm.model.config import ModelConfig  # noqa: E402
+from petite_llm.engine.llm_engine import LLM  # noqa: E402
+from petite_llm.engine.paging import kv_bytes_per_block  # noqa: E402
 from test_engine import (EOS, VOCAB, _check_greedy, _checkpoint, _max_tokens,  # noqa: E402
                          _prompts, f64, hf_greedy, qwen3_text_path)
 
@@ -405,7 +406,7 @@ def test_bad_speculative_configs_are_clear_errors(f64, tmp_path):
 def test_verify_steps_run_eagerly_beside_cuda_graphs():
     "Stand-in graphs (triton, interpreted): decode-only steps replay, steps with drafts do not."
     from test_cuda_graphs import _greedy_tokens, _tiny, replay_eagerly
-    from petite_llm.engine import LLMEngine
+    from petite_llm.engine.llm_engine import LLMEngine
     model = _tiny()
     prompts = [[1, 2, 3, 1, 2, 3, 1, 2], [7, 8, 9], [5, 6, 5, 6, 5, 6]]
     kw = dict(attention_backend='triton', block_size=4, kv_cache_memory=2**21, max_num_seqs=3,
@@ -432,7 +433,7 @@ def test_verify_steps_run_eagerly_beside_cuda_graphs():
 
 def test_smollm2_as_its_own_draft_accepts_greedy_drafts():
     "The real SmolLM2 drafting for itself (float32): at least 98% of greedy drafts accepted."
-    from petite_llm.weights import load_model, smollm2_gguf_path
+    from petite_llm.model.weights import load_model, smollm2_gguf_path
     # in bfloat16 the draft's one-token passes and the verify's five-token pass round
     # differently, and near-ties flip a few percent of argmaxes
     model = load_model(smollm2_gguf_path(), dtype=torch.float32, progress=False)

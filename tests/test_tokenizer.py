@@ -17,9 +17,10 @@ from qwen3_tokenizer import (QWEN3_ADDED_IDS, QWEN3_ADDED_TOKENS,  # noqa: E402
                              QWEN3_CHAT_TEMPLATE, QWEN3_GENERATION_CONFIG, qwen3_tokenizer_dir,
                              qwen_tiktoken_path, write_qwen3_tokenizer)
 
-from petite_llm.tokenizer import (IncrementalDetokenizer, ThinkSplitter, Tokenizer,  # noqa: E402
-                                  bytes_to_unicode, load_tiktoken_ranks, merges_from_ranks,
-                                  spell_bytes, split_reasoning, think_and_answer)
+from petite_llm.model.tokenizer import (IncrementalDetokenizer, ThinkSplitter,  # noqa: E402
+                                        Tokenizer, bytes_to_unicode, load_tiktoken_ranks,
+                                        merges_from_ranks, spell_bytes, split_reasoning,
+                                        think_and_answer)
 
 # ---------------------------------------------------------------- fixtures
 
@@ -30,7 +31,7 @@ def qwen3():
 
 @pytest.fixture(scope="module")
 def smol_path():
-    weights = pytest.importorskip("petite_llm.weights")
+    weights = pytest.importorskip("petite_llm.model.weights")
     return weights.smollm2_gguf_path()
 
 
@@ -41,13 +42,13 @@ def smol(smol_path):
 
 @pytest.fixture(scope="module")
 def qwen25_path():
-    weights = pytest.importorskip("petite_llm.weights")
+    weights = pytest.importorskip("petite_llm.model.weights")
     return weights.qwen25_coder_gguf_path()
 
 
 @pytest.fixture(scope="module")
 def qwen25_meta(qwen25_path):
-    from petite_llm.config import read_gguf_metadata
+    from petite_llm.model.config import read_gguf_metadata
     return read_gguf_metadata(qwen25_path)
 
 

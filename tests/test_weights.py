@@ -7,7 +7,7 @@ from safetensors.torch import load_file, save_file
 from transformers import Qwen2Config, Qwen3Config
 from transformers import Qwen2ForCausalLM as HFQwen2, Qwen3ForCausalLM as HFQwen3
 
-from petite_llm.weights import (checkpoint_files, load_model, map_gguf_name, map_hf_name,
+from petite_llm.model.weights import (checkpoint_files, load_model, map_gguf_name, map_hf_name,
                                 permute_qk, resolve_model_path, smollm2_gguf_path, unpermute_qk,
                                 weights_nbytes)
 

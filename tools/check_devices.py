@@ -3,8 +3,8 @@
 A compiled Triton kernel reads only CUDA tensors, so on a GPU machine a chapter whose unflagged
 cells feed Triton CPU tensors fails there and nowhere else: CI runs the kernels on the CPU under
 the interpreter, where every tensor is a CPU tensor. The rules, for every chapter whose unflagged
-code (not `slow`, `gpu` or `eval: false`) reaches Triton (`import triton`, `petite_llm.kernels`,
-`TritonAttentionBackend`, or the `'triton'` attention backend by name):
+code (not `slow`, `gpu` or `eval: false`) reaches Triton (`import triton`,
+`petite_llm.engine.kernels`, `TritonAttentionBackend`, or the `'triton'` attention backend by name):
 
 1. it chooses its device once: a top-level assignment in an unflagged, non-exported cell whose
    value asks `torch.cuda.is_available()` (`device = 'cuda' if torch.cuda.is_available() else
@@ -40,8 +40,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from nbtools import chapters, directives, read_nb, skipped_by, source, split_directives  # noqa: E402
 
 MARKER = re.compile(r'#\s*stays on the CPU:\s*\S')
-_IMPORTS_TRITON = re.compile(r'^\s*(import triton|from triton|from petite_llm\.kernels|'
-                             r'import petite_llm\.kernels)', re.M)
+_IMPORTS_TRITON = re.compile(r'^\s*(import triton|from triton|'
+                             r'from petite_llm\.engine\.(kernels|fused)|'
+                             r'import petite_llm\.engine\.(kernels|fused)|'
+                             r'from petite_llm\.engine import (fused|kernels))', re.M)
 
 
 def _is_resolver(node: ast.AST) -> bool:

@@ -21,12 +21,13 @@ from pathlib import Path
 
 import torch
 
-from petite_llm.bench import measure_offline, measure_prefill_decode, memory_read_gb_s, weight_bytes
-from petite_llm.bench_peers import PetitePeer, make_requests, shape_config
-from petite_llm.config import ModelConfig
-from petite_llm.engine import LLM
-from petite_llm.model import Qwen3ForCausalLM
-from petite_llm.sampling import SamplingParams
+from petite_llm.bench.offline import (measure_offline, measure_prefill_decode, memory_read_gb_s,
+                                      weight_bytes)
+from petite_llm.bench.peers import PetitePeer, make_requests, shape_config
+from petite_llm.model.config import ModelConfig
+from petite_llm.engine.llm_engine import LLM
+from petite_llm.model.qwen3 import Qwen3ForCausalLM
+from petite_llm.model.sampling import SamplingParams
 
 FULL = dict(device='cuda', shapes=('qwen3-0.6b', 'qwen3-8b'), layers=None, decode_prompt=128,
             decode_tokens=128, requests=256, min_len=100, max_len=1024, prefill_len=8192)

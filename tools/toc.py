@@ -62,15 +62,27 @@ def toc_yml() -> str:
     return '\n'.join(lines) + '\n'
 
 
+def modules_written(path: Path) -> list[str]:
+    """The package modules a chapter exports to (`#| default_exp`, then `#| export NAME`)."""
+    found = []
+    for c in read_nb(path)['cells']:
+        if c['cell_type'] == 'code':
+            found += re.findall(r'^#\|\s*(?:default_exp|export)\s+([\w.]+)\s*$', source(c), re.M)
+    return list(dict.fromkeys(found))
+
+
 def chapter_list() -> str:
-    """The markdown chapter list for the landing page (and so the README)."""
+    """The markdown chapter list for the landing page (and so the README), with each chapter's
+    modules."""
     out, current = [BEGIN], None
     for p in chapters():
         if part(p.name) != current:
             current = part(p.name)
             out += ['', f'**{current}**', '']
         title, summary = title_and_summary(p)
-        out.append(f'- [{title}]({p.name})' + (f' — {summary}' if summary else ''))
+        modules = ', '.join(f'`{m}`' for m in modules_written(p))
+        out.append(f'- [{title}]({p.name})' + (f' — {summary}' if summary else '')
+                   + (f' *Writes {modules}.*' if modules else ''))
     return '\n'.join(out + ['', END])
 
 
