@@ -405,3 +405,37 @@ def test_an_engine_of_a_built_model_refuses_ranks(small):
     from petite_llm.model.weights import load_model
     with pytest.raises(ValueError, match=r"tensor_parallel_size apply when the engine loads"):
         LLMEngine(load_model(small), tensor_parallel_size=2)
+
+
+def test_a_worker_runs_rank_0s_step_method(small, monkeypatch):
+    "Rank 0 and a worker build their runners with one factory and run each step by one method."
+    from petite_llm.engine.runner import ModelRunner
+    from petite_llm.parallel import worker
+
+    class Workers:
+        "Rank 0's view of the workers: it keeps each step it would broadcast."
+        sent = []
+
+        def broadcast_step(self, step):
+            self.sent.append(step)
+    calls, execute = [], ModelRunner.execute
+
+    def spy(runner, step, *args):
+        logits = execute(runner, step, *args)
+        calls.append((runner, step, logits))
+        return logits
+    monkeypatch.setattr(ModelRunner, 'execute', spy)
+    llm = LLM(small, kv_cache_memory=1 << 20, max_num_batched_tokens=8)
+    rank0 = llm.engine.runner
+    rank0.workers = Workers()
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    llm.generate([[5, 6, 7, 8, 9, 10, 11], [12, 13]], params, use_tqdm=False)
+    # a worker on the same weights and config, built by rank_runner, fed rank 0's steps, stopped
+    runner = worker.rank_runner(llm.engine.model, llm.engine.config)
+    steps = iter(Workers.sent + [None])
+    monkeypatch.setattr(worker, 'receive_step', lambda control: next(steps))
+    assert worker.serve_steps(runner, None, rank=1) == len(Workers.sent) > 2
+    ours = [(step, logits) for r, step, logits in calls if r is rank0]
+    theirs = [(step, logits) for r, step, logits in calls if r is runner]
+    assert [s for s, _ in ours] == [s for s, _ in theirs] == Workers.sent
+    assert all(torch.equal(a, b) for (_, a), (_, b) in zip(ours, theirs))

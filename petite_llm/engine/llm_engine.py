@@ -20,7 +20,8 @@ from .loading import (get_attention_backend, load_engine_model,
 from .outputs import (EngineStats, OutputProcessor, RequestOutput,
                                        SpecDecodingStats, merge_outputs)
 from .paging import BlockManager
-from .runner import ModelRunner, ModelRunnerOutput, StepInFlight, compile_model
+from .runner import (ModelRunner, ModelRunnerOutput, StepInFlight, build_runner,
+                                      compile_model)
 from ..model.sampling import SamplingParams
 from .scheduler import Scheduler, SchedulerOutput, Sequence
 from .speculative import SpeculativeConfig, Speculator, load_draft_model
@@ -77,11 +78,8 @@ class LLMEngine:
             self.speculator = Speculator(spec_config, draft, sizes.num_blocks, config.block_size,
                                          self._attention_backend(), self.eos_token_ids,
                                          sizes.max_model_len)
-        self.runner = ModelRunner(model, sizes.num_blocks, config.block_size, self.eos_token_ids,
-                                  self._attention_backend(), compiled, self.speculator, workers)
-        if (not config.enforce_eager and self.runner.device.type == 'cuda'
-                and self.runner.backend.supports_cuda_graphs):
-            self.runner.capture_cuda_graphs(sizes.max_num_seqs, sizes.max_model_len)
+        self.runner = build_runner(model, config, sizes, self.eos_token_ids, compiled,
+                                   self.speculator, workers)
         log_engine_start(config, sizes, self.runner)
         self.output_processor = OutputProcessor(tokenizer, self.scheduler)
         self._request_ids, self._seq_ids = itertools.count(), itertools.count()

@@ -5,7 +5,7 @@
 from __future__ import annotations
 
 # %% auto 0
-__all__ = ['OPAQUE_ATTENTION', 'ModelRunnerOutput', 'ModelRunner', 'StepInFlight', 'cuda_graph_batch_sizes', 'capture_cuda_graph', 'CUDAGraphs', 'step_attention', 'OpaqueAttention', 'compile_model', 'run_compiled']
+__all__ = ['OPAQUE_ATTENTION', 'ModelRunnerOutput', 'ModelRunner', 'StepInFlight', 'build_runner', 'cuda_graph_batch_sizes', 'capture_cuda_graph', 'CUDAGraphs', 'step_attention', 'OpaqueAttention', 'compile_model', 'run_compiled']
 
 # %% ../../nbs/14_engine.ipynb #e683d599
 # petite_llm.engine.runner: the model runner: tensors, forward, sampling, CUDA graphs
@@ -55,13 +55,17 @@ class ModelRunner:
         self.body = self.backend.model_body(model)
         self.workers = workers            # chapter 19: the other ranks, sent each step's inputs
 
-    def prepare(self, scheduled: SchedulerOutput):
-        "The flat batch: input_ids [T], positions [T], AttentionMetadata, logits_indices [R]."
+    def step_inputs(self, scheduled: SchedulerOutput) -> tuple:
+        "The step as lists (block tables, token counts, ids, logits rows), sent to other ranks."
         step = ([seq.block_table for seq in scheduled.seqs], scheduled.num_computed_tokens,
                 scheduled.num_new_tokens, scheduled.input_ids, scheduled.logits_indices)
         if self.workers is not None:
             self.workers.broadcast_step(step)
-        return self.prepare_step(*step)
+        return step
+
+    def prepare(self, scheduled: SchedulerOutput):
+        "The flat batch: input_ids [T], positions [T], AttentionMetadata, logits_indices [R]."
+        return self.prepare_step(*self.step_inputs(scheduled))
 
     def prepare_step(self, block_tables: list[list[int]], num_computed_tokens: list[int],
                      num_new_tokens: list[int], input_ids: list[int], logits_indices: list[int]):
@@ -99,9 +103,11 @@ class ModelRunner:
         "A list of ints as a long tensor on the model's device."
         return torch.tensor(values, dtype=torch.long).to(self.device, non_blocking=True)
 
-    def _logits(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                attn_metadata: AttentionMetadata, logits_indices: torch.Tensor) -> torch.Tensor:
-        "The forward pass (a CUDA graph when one covers it) and the logits of the rows: [R, V]."
+    def execute(self, step: tuple, fill_input_ids: Callable | None = None) -> torch.Tensor:
+        "A step's lists -> logits [R, V]: the one step every rank runs, rank 0 and each worker."
+        input_ids, positions, attn_metadata, logits_indices = self.prepare_step(*step)
+        if fill_input_ids is not None:
+            fill_input_ids(input_ids)      # async scheduling: pending tokens, on the device
         if self.cuda_graphs is not None and self.cuda_graphs.can_replay(attn_metadata):
             hidden = self.cuda_graphs.replay(input_ids, attn_metadata)     # [T, H]
         else:
@@ -111,7 +117,7 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, scheduled: SchedulerOutput) -> ModelRunnerOutput:
         "One forward pass over the scheduled tokens; logits and a token for each row that samples."
-        logits = self._logits(*self.prepare(scheduled))                   # [R, V]
+        logits = self.execute(self.step_inputs(scheduled))                # [R, V]
         seqs = scheduled.sampling_seqs
         if any(scheduled.spec_token_ids):
             # chapter 15: rejection sampling over the rows of the drafts
@@ -134,7 +140,7 @@ class ModelRunner:
     def launch(self, scheduled: SchedulerOutput, prev: StepInFlight | None = None) -> StepInFlight:
         "Queue a step without a device sync; its decodes' pending tokens come from prev's tensor."
         # async scheduling: every sequence that samples reads only the count of its tokens
-        input_ids, positions, attn_metadata, logits_indices = self.prepare(scheduled)
+        fill = None
         if prev is not None:
             # decodes of a token prev sampled: a placeholder in input_ids, filled on the device
             rows, src = [], []
@@ -144,8 +150,11 @@ class ModelRunner:
                     rows.append(i)
                     src.append(prev.rows[seq.seq_id])
             if rows:
-                input_ids[self._as_tensor(rows)] = prev.token_ids[self._as_tensor(src)]
-        logits = self._logits(input_ids, positions, attn_metadata, logits_indices)   # [S, V]
+                rows, src = self._as_tensor(rows), self._as_tensor(src)
+
+                def fill(input_ids):
+                    input_ids[rows] = prev.token_ids[src]
+        logits = self.execute(self.step_inputs(scheduled), fill)                # [S, V]
         seqs = scheduled.sampling_seqs
         params = [seq.sampling_params for seq in seqs]
         # each one's output position: its tokens out and pending, less the one it samples now
@@ -193,6 +202,21 @@ def _plain_greedy(p: SamplingParams, seq: Sequence) -> bool:
     return (p.greedy and p.repetition_penalty == 1.0 and p.presence_penalty == 0
             and p.frequency_penalty == 0 and p.logprobs is None
             and seq.num_output_tokens >= p.min_tokens)
+
+# %% ../../nbs/14_engine.ipynb #rf000002
+from .config import EngineConfig, EngineSizes
+from .loading import get_attention_backend
+
+def build_runner(model: nn.Module, config: EngineConfig, sizes: EngineSizes, eos_token_ids=(),
+                 compiled: Callable | None = None, speculator=None, workers=None) -> ModelRunner:
+    "A rank's runner, rank 0's and each worker's alike: backend, KV pool, CUDA graphs if they apply."
+    device = next(model.parameters()).device
+    backend = get_attention_backend(config.attention_backend, device, config.batch_invariant)
+    runner = ModelRunner(model, sizes.num_blocks, config.block_size, eos_token_ids, backend,
+                         compiled, speculator, workers)
+    if not config.enforce_eager and device.type == 'cuda' and backend.supports_cuda_graphs:
+        runner.capture_cuda_graphs(sizes.max_num_seqs, sizes.max_model_len)
+    return runner
 
 # %% ../../nbs/14_engine.ipynb #961fdedd
 def cuda_graph_batch_sizes(max_num_seqs: int) -> list[int]:

@@ -25,11 +25,11 @@ from torch import nn
 
 from ..model.config import ModelConfig, resolve_device
 from ..engine.config import EngineConfig, size_engine
-from ..engine.loading import get_attention_backend, load_engine_model
+from ..engine.loading import load_engine_model
 from .tensor_parallel import (TensorParallelError, check_tensor_parallel,
                                                  parallelize, shard_checkpoint, shard_int8)
 from ..model.quantization import load_q8_0
-from ..engine.runner import ModelRunner
+from ..engine.runner import ModelRunner, build_runner
 from ..engine.speculative import SpeculativeConfig
 from ..model.weights import checkpoint_path
 
@@ -127,18 +127,12 @@ def rank_kv_cache_memory(config: EngineConfig, model: nn.Module, size: int,
 
 # %% ../../nbs/19_tensor_parallel.ipynb #ddecbbab
 def rank_runner(model: nn.Module, config: EngineConfig) -> ModelRunner:
-    "A worker's ModelRunner: the pool rank 0's engine sizes, the same backend and CUDA graphs."
-    device = next(model.parameters()).device
+    "A worker's ModelRunner: the pool rank 0's engine sizes, built by rank 0's own factory."
     sizes = size_engine(config, [model])
     if config.batch_invariant:                # as LLMEngine does on rank 0 (chapter 20)
         from petite_llm.engine.batch_invariant import make_batch_invariant
         make_batch_invariant(model)
-    backend = get_attention_backend(config.attention_backend, device, config.batch_invariant)
-    runner = ModelRunner(model, sizes.num_blocks, config.block_size, backend=backend)
-    if (not config.enforce_eager and device.type == 'cuda'
-            and runner.backend.supports_cuda_graphs):
-        runner.capture_cuda_graphs(sizes.max_num_seqs, sizes.max_model_len)
-    return runner
+    return build_runner(model, config, sizes)
 
 # %% ../../nbs/19_tensor_parallel.ipynb #e13cf806
 def receive_step(control: dist.ProcessGroup):
@@ -159,7 +153,7 @@ def serve_steps(runner: ModelRunner, control: dist.ProcessGroup, rank: int) -> i
             return steps
         if step is None:
             return steps
-        runner._logits(*runner.prepare_step(*step))    # rank 0 samples from the gathered logits
+        runner.execute(step)                   # rank 0 samples from the gathered logits
         steps += 1
 
 # %% ../../nbs/19_tensor_parallel.ipynb #45dd4cc7
