@@ -1,5 +1,6 @@
 """Shared pytest setup: the `slow` and `gpu` markers, Triton's interpreter on a CPU, and the
 one-thread fixture for modules of tiny models."""
+import contextlib
 import os
 
 import pytest
@@ -25,13 +26,29 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@contextlib.contextmanager
+def torch_threads(n: int):
+    "torch on n threads inside, on as many as before after."
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="module")
 def one_thread():
     "Tiny models: one thread beats two, by far on a busy machine (no OpenMP barriers)."
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+    with torch_threads(1):
+        yield
+
+
+@pytest.fixture(scope="module")
+def two_threads():
+    "Two threads, whatever an earlier module chose (the acceptance setting of batch invariance)."
+    with torch_threads(2):
+        yield
 
 
 @pytest.fixture

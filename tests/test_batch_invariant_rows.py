@@ -11,6 +11,8 @@ import torch
 import transformers
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from conftest import torch_threads
+
 from petite_llm.engine.backends import AttentionMetadata
 from petite_llm.engine.batch_invariant import BatchInvariantAttention, BatchInvariantLinear
 from petite_llm.engine.llm_engine import LLM
@@ -33,10 +35,8 @@ WATCHED = {'mm', 'bmm', 'addmm', 'baddbmm', 'addmv', 'mv', 'dot', 'matmul', 'lin
 @pytest.fixture(params=[1, 2], ids=lambda n: f"{n}thread")
 def threads(request):
     "Run the test on one and on two torch threads."
-    n = torch.get_num_threads()
-    torch.set_num_threads(request.param)
-    yield request.param
-    torch.set_num_threads(n)
+    with torch_threads(request.param):
+        yield request.param
 
 
 def _layout(t: torch.Tensor) -> tuple:

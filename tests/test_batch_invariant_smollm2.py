@@ -2,7 +2,6 @@
 threads. Five probes keep their lone tokens and logprobs, bit for bit, inside a batch of
 mixed-length prompts, behind a 16-token step budget, and after a prefix-cache hit."""
 import pytest
-import torch
 
 from petite_llm.engine.llm_engine import LLM
 from petite_llm.model.sampling import SamplingParams
@@ -12,15 +11,6 @@ PROBES = ["Name three colours.", "The capital of Italy is", "def quicksort(xs):"
           "Water boils at", "In 1969, the first"]
 OTHERS = [f"Tell me about topic number {i}. " * (1 + i % 5) for i in range(11)]
 PARAMS = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=3)
-
-
-@pytest.fixture(scope="module")
-def two_threads():
-    "The acceptance's setting: two threads, whatever an earlier module chose."
-    n = torch.get_num_threads()
-    torch.set_num_threads(2)
-    yield
-    torch.set_num_threads(n)
 
 
 def _answers(llm: LLM, prompts: list[str]) -> list[tuple]:
