@@ -209,7 +209,7 @@ from .loading import get_attention_backend
 
 def build_runner(model: nn.Module, config: EngineConfig, sizes: EngineSizes, eos_token_ids=(),
                  compiled: Callable | None = None, speculator=None, workers=None) -> ModelRunner:
-    "A rank's runner, rank 0's and each worker's alike: backend, KV pool, CUDA graphs if they apply."
+    "One rank's runner, built alike on every rank: backend, KV pool, CUDA graphs if they apply."
     device = next(model.parameters()).device
     backend = get_attention_backend(config.attention_backend, device, config.batch_invariant)
     runner = ModelRunner(model, sizes.num_blocks, config.block_size, eos_token_ids, backend,
