@@ -154,7 +154,7 @@ def test_refuses_torch_compile(bf16_path):
 
 
 def test_log_names_the_mode(bf16_path, caplog):
-    with caplog.at_level('INFO', logger='petite_llm.engine.llm_engine'):
+    with caplog.at_level('INFO', logger='petite_llm.engine'):
         _llm(bf16_path)
     backend = 'triton' if torch.cuda.is_available() else 'torch'       # each device's default
     assert f"attention backend: {backend} (batch-invariant)" in caplog.text

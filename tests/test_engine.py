@@ -213,7 +213,7 @@ def test_n_samples(f64):
 def test_refusals_keep_the_engine_running(f64, caplog):
     "Too long for max_model_len or the pool: a clear ValueError before scheduling; then all runs."
     path, hf = f64
-    with caplog.at_level(logging.INFO, logger="petite_llm.engine.llm_engine"):
+    with caplog.at_level(logging.INFO, logger="petite_llm.engine"):
         llm = LLM(path, block_size=4, kv_cache_memory=_pool(path, 16, 4), max_model_len=128)
     assert "KV cache: 16 blocks" in caplog.text and llm.kv_cache_memory == _pool(path, 16, 4)
     with pytest.raises(ValueError, match=r"200 tokens.*max_model_len=128"):
@@ -430,7 +430,7 @@ def test_engine_stats_extend_the_scheduler_stats(f64):
 def test_default_kv_budget_is_logged(f64, caplog):
     "Without kv_cache_memory the CPU budget comes from available memory (capped), and is logged."
     path, hf = f64
-    with caplog.at_level(logging.INFO, logger="petite_llm.engine.llm_engine"):
+    with caplog.at_level(logging.INFO, logger="petite_llm.engine"):
         llm = LLM(path, max_num_seqs=4)
     assert "available memory" in caplog.text
     per_token = kv_bytes_per_block(ModelConfig.from_pretrained(path), 1, torch.float64)
@@ -538,7 +538,7 @@ def test_quantization_reads_q8_0_from_a_gguf_in_a_folder(tmp_path, caplog):
     "A folder holding one .gguf is that file: its Q8_0 matrix (SmolLM2's head) comes from its blocks."
     from petite_llm.model.weights import smollm2_gguf_path
     (tmp_path/'model.gguf').symlink_to(smollm2_gguf_path())
-    with caplog.at_level(logging.INFO, logger="petite_llm.engine.llm_engine"):
+    with caplog.at_level(logging.INFO, logger="petite_llm.engine"):
         LLM(tmp_path, quantization='int8', kv_cache_memory=1 << 20)
     assert "(1 of them read from Q8_0 blocks)" in caplog.text
 

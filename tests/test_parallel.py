@@ -354,7 +354,7 @@ def test_ngram_speculation_verifies_across_ranks(small):
 def test_a_dropped_engine_takes_its_workers(small, caplog):
     import gc
     # no no-tokenizer warning: a captured record's exception would hold the loading frames alive
-    with caplog.at_level(logging.ERROR, logger='petite_llm.engine.llm_engine'):
+    with caplog.at_level(logging.ERROR, logger='petite_llm.engine'):
         llm = _engine(small, 2, num_blocks=16)
     workers = multiprocessing.active_children()
     assert len(workers) == 1
@@ -388,7 +388,7 @@ def test_smollm2_int8_over_three_ranks_reads_q8_0_slices(caplog, record_logits):
     first = SamplingParams(temperature=0, max_tokens=1)
     logits = {}
     for size in (1, 3):
-        with caplog.at_level(logging.INFO, logger='petite_llm.engine.llm_engine'):
+        with caplog.at_level(logging.INFO, logger='petite_llm.engine'):
             llm = LLM(smollm2_gguf_path(), tensor_parallel_size=size, quantization='int8',
                       dtype='float32', device='cpu', kv_cache_memory=2**24)
         rows = record_logits(llm)

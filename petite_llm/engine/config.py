@@ -21,7 +21,7 @@ from torch import nn
 from .paging import kv_bytes_per_block, num_kv_blocks
 
 # the engine's start-up log, under one name with engine.py's
-logger = logging.getLogger('petite_llm.engine.llm_engine')
+logger = logging.getLogger('petite_llm.engine')
 
 # %% ../../nbs/14_engine.ipynb #d78558e9
 @dataclass

@@ -27,7 +27,8 @@ from .scheduler import Scheduler, SchedulerOutput, Sequence
 from .speculative import SpeculativeConfig, Speculator, load_draft_model
 from ..model.tokenizer import Tokenizer, as_list
 
-logger = logging.getLogger(__name__)
+# one log for the engine's modules (config, loading, the workers log to it too)
+logger = logging.getLogger('petite_llm.engine')
 
 # %% auto #0
 __all__ = ['logger', 'LLMEngine', 'LLM']

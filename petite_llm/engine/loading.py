@@ -24,7 +24,7 @@ from ..model.layers.linear import prepack_linears
 from ..model.weights import checkpoint_path, load_model, resolve_model_path
 
 # the engine's start-up log, under one name with engine.py's
-logger = logging.getLogger('petite_llm.engine.llm_engine')
+logger = logging.getLogger('petite_llm.engine')
 
 # %% ../../nbs/14_engine.ipynb #3ca2999d
 def native_bf16(device) -> str | None:

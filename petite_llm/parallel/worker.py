@@ -33,7 +33,7 @@ from ..engine.runner import ModelRunner, build_runner
 from ..engine.speculative import SpeculativeConfig
 from ..model.weights import checkpoint_path
 
-logger = logging.getLogger('petite_llm.engine.llm_engine')
+logger = logging.getLogger('petite_llm.engine')
 
 # %% ../../nbs/19_tensor_parallel.ipynb #5e6ed78a
 def _launched_by_torchrun() -> bool:
