@@ -55,13 +55,13 @@ def two_threads():
 def record_logits():
     "record(llm) makes llm keep each sampled row's logits: {prompt token ids: [row per step]}."
     def record(llm):
-        rows, run = {}, llm.engine.runner.run
+        rows, resolve = {}, llm.engine.runner.resolve
 
-        def recording_run(scheduled):
-            out = run(scheduled)
+        def recording_resolve(step):         # every step, serial or async, is resolved once
+            out = resolve(step)
             for seq, row in zip(out.seqs, out.logits):
                 rows.setdefault(tuple(seq.prompt_token_ids), []).append(row.clone())
             return out
-        llm.engine.runner.run = recording_run
+        llm.engine.runner.resolve = recording_resolve
         return rows
     return record

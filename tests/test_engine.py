@@ -592,7 +592,7 @@ class FakeGPU:
 
 def _start(gpu, utilization, weights=3 * 2**30, activations=2**30):
     "An engine's start: its weights, then the KV pool the rule sizes from the readings."
-    from petite_llm.engine.config import gpu_kv_cache_budget
+    from petite_llm.engine.sizing import gpu_kv_cache_budget
     gpu.allocate(weights)
     kv = gpu_kv_cache_budget(gpu.total, gpu.total - gpu.used, weights, activations, utilization)
     gpu.allocate(kv)
@@ -638,16 +638,31 @@ def test_batch_limits_given_win_and_seqs_never_exceed_tokens():
     assert EngineConfig(max_num_seqs=8).batch_limits('cpu') == (2048, 8)
 
 
+def test_conflicting_options_are_refused_together():
+    "EngineConfig names every rule a combination breaks, each with its way out, before any load."
+    with pytest.raises(ValueError) as refused:
+        EngineConfig(tensor_parallel_size=3, async_scheduling=True, batch_invariant=True,
+                     enable_torch_compile=True)
+    for rule in ("batch_invariant=True cannot run with enable_torch_compile=True",
+                 "tensor_parallel_size=3 does not run with async_scheduling=True",
+                 "tensor_parallel_size=3 does not run with enable_torch_compile",
+                 "use tensor_parallel_size 1 or 2"):
+        assert rule in str(refused.value)
+    ngram = {'method': 'ngram', 'num_speculative_tokens': 2}
+    assert EngineConfig(tensor_parallel_size=2, speculative_config=ngram).conflicts() == []
+    assert EngineConfig(tensor_parallel_size=2, batch_invariant=True).conflicts() == []
+
+
 def test_too_little_room_names_the_sizes_and_the_fix():
-    from petite_llm.engine.config import gpu_kv_cache_budget
+    from petite_llm.engine.sizing import gpu_kv_cache_budget
     with pytest.raises(ValueError, match=r"weights take 30.00 GiB.*raise gpu_memory_utilization"):
         gpu_kv_cache_budget(80 * 2**30, 79 * 2**30, 30 * 2**30, 2**30, 0.3)
 
 
 def test_engine_sizes_its_pool_before_allocating(f64, monkeypatch):
     "A refused budget leaves nothing allocated: the KV pool is sized before the runner exists."
-    import petite_llm.engine.config as engine_config
     import petite_llm.engine.runner as runner
+    import petite_llm.engine.sizing as sizing
     path, _ = f64
     model = LLM(path, kv_cache_memory=1 << 20).engine.model
     allocated = []
@@ -655,7 +670,7 @@ def test_engine_sizes_its_pool_before_allocating(f64, monkeypatch):
 
     def refuse(models, utilization, max_num_batched_tokens, max_num_seqs):
         raise ValueError("the KV cache would take more than is free")
-    monkeypatch.setattr(engine_config, 'default_kv_cache_memory', refuse)
+    monkeypatch.setattr(sizing, 'default_kv_cache_memory', refuse)
     with pytest.raises(ValueError, match="more than is free"):
         LLMEngine(model, gpu_memory_utilization=0.5)
     assert allocated == []
@@ -669,6 +684,41 @@ def _both(path, **kw):
 
 def _ids(outs):
     return [[c.token_ids for c in o.outputs] for o in outs]
+
+
+def _runner_calls(engine) -> list[tuple[str, object]]:
+    "Record the runner's launch and resolve calls, with the StepInFlight each made or took."
+    calls, runner = [], engine.runner
+    launch, resolve = runner.launch, runner.resolve
+
+    def recording_launch(scheduled, prev=None):
+        step = launch(scheduled, prev)
+        calls.append(('launch', step))
+        return step
+
+    def recording_resolve(step):
+        calls.append(('resolve', step))
+        return resolve(step)
+    runner.launch, runner.resolve = recording_launch, recording_resolve
+    return calls
+
+
+def test_the_serial_step_is_resolve_of_launch(f64):
+    "Serial: every step is launch then resolve of that step; async: resolved after the next launch."
+    path, _ = f64
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    for llm in _both(path, block_size=4, kv_cache_memory=_pool(path, 64, 4)):
+        calls = _runner_calls(llm.engine)
+        llm.generate([[1, 2, 3], [4, 5, 6, 7]], params, use_tqdm=False)
+        launched = [step for kind, step in calls if kind == 'launch']
+        resolved = [step for kind, step in calls if kind == 'resolve']
+        assert resolved == launched and len(launched) == 5        # each step resolved once
+        if llm.engine.config.async_scheduling:
+            # step k's resolve comes after step k + 1's launch
+            assert calls[:3] == [('launch', launched[0]), ('launch', launched[1]),
+                                 ('resolve', launched[0])]
+        else:
+            assert calls == [(kind, step) for step in launched for kind in ('launch', 'resolve')]
 
 
 @pytest.mark.parametrize("block_size,budget", [(16, 8), (1, 2048), (4, 8)])

@@ -3,7 +3,7 @@ against chapter 04, fused_add_rms_norm without a residual, and the engine's fuse
 `triton` backend against transformers (greedy tokens in float64) and in kernel launches.
 
 Without a GPU the kernels run in Triton's interpreter (tests/conftest.py switches it on before
-petite_llm.engine.kernels defines them); shapes stay small, as each program instance costs
+the kernel modules define them); shapes stay small, as each program instance costs
 milliseconds.
 """
 import os
@@ -20,8 +20,9 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from petite_llm.engine.backends import store_kv
 from petite_llm.bench.host import launches_per_layer
 from petite_llm.engine.llm_engine import LLMEngine
-from petite_llm.engine.fused import cos_sin_cache, qk_norm_rope_store, silu_and_mul
-from petite_llm.engine.kernels import FusedModelBody, fused_add_rms_norm
+from petite_llm.engine.fused import (cos_sin_cache, fused_add_rms_norm, qk_norm_rope_store,
+                                     silu_and_mul)
+from petite_llm.engine.triton_backend import FusedModelBody
 from petite_llm.model.layers.norm import RMSNorm
 from petite_llm.model.layers.rope import RotaryEmbedding
 from petite_llm.model.sampling import SamplingParams

@@ -3,7 +3,7 @@ RMSNorm), on random inputs drawn by hypothesis, and the engine on the `triton` b
 engine on the `torch` backend.
 
 Without a GPU the kernels run in Triton's interpreter, which must be switched on before
-petite_llm.engine.kernels defines them (tests/conftest.py does so too). The interpreter has no
+the kernel modules define them (tests/conftest.py does so too). The interpreter has no
 bfloat16, so on a CPU the kernels are checked in float32 (tight), float16 and float64; the bfloat16 checks
 are marked `gpu`. Shapes are small: the interpreter runs the programs one after another.
 """
@@ -24,9 +24,11 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from petite_llm.engine.backends import TorchAttentionBackend, store_kv
 from petite_llm.model.config import ModelConfig
 from petite_llm.engine.llm_engine import LLMEngine
-import petite_llm.engine.kernels as kernels
-from petite_llm.engine.kernels import (TritonAttentionBackend, fused_add_rms_norm, num_kv_splits,
-                                split_kv_attention, triton_store_kv, unified_attention)
+import petite_llm.engine.triton_backend as triton_backend_module
+from petite_llm.engine.attention_kernels import (num_kv_splits, split_kv_attention,
+                                                 triton_store_kv, unified_attention)
+from petite_llm.engine.fused import fused_add_rms_norm
+from petite_llm.engine.triton_backend import TritonAttentionBackend
 from petite_llm.model.layers.norm import RMSNorm
 from petite_llm.engine.paging import cdiv, kv_bytes_per_block
 from petite_llm.model.sampling import SamplingParams
@@ -253,8 +255,8 @@ def test_fused_add_rms_norm_keeps_leading_shape():
 @pytest.mark.parametrize("block_size,num_sms", [(1, 1), (3, 64), (16, 64)])
 def test_backend_matches_torch_backend_step_by_step(block_size, num_sms, monkeypatch):
     "A chunk after 1100 cached tokens, decodes beside chunks, decode-only steps: the same outputs."
-    splits, split_kv = [], kernels.split_kv_attention
-    monkeypatch.setattr(kernels, "split_kv_attention",
+    splits, split_kv = [], split_kv_attention
+    monkeypatch.setattr(triton_backend_module, "split_kv_attention",
                         lambda *args: splits.append(args[-1]) or split_kv(*args))
     cached = {0: 1100, 1: 0, 2: 30, 3: 0}
     steps_ = [[(0, 7), (1, 17)], [(0, 1), (1, 14), (2, 5)], [(0, 1), (1, 1), (2, 11), (3, 1)]]

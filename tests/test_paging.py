@@ -216,7 +216,7 @@ def test_backend_matches_causal_attention(bs, nh, nkv, dtype, max_padding):
 def test_metadata_fields():
     backend = TorchAttentionBackend()
     md = AttentionMetadata.build([[3, 1], [0], [2, 4, 5]], [5, 0, 4], [1, 3, 6], 4, 'cpu', backend)
-    assert md.num_decodes == 1 and md.backend is backend
+    assert md.num_single_token == 1 and md.backend is backend
     assert md.slot_mapping.tolist() == [1 * 4 + 1, 0, 1, 2, 16, 17, 18, 19, 20, 21]
     assert md.positions.tolist() == [5, 0, 1, 2, 4, 5, 6, 7, 8, 9]
     assert md.context_lens.tolist() == md.context_lens_cpu == [6, 3, 10]

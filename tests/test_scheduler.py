@@ -27,7 +27,8 @@ def check_invariants(sched):
     assert all(s.status is SequenceStatus.RUNNING for s in sched.running)
     for s in sched.running:
         assert len(s.block_table) >= cdiv(s.num_computed_tokens, bm.block_size)
-        assert s.num_computed_tokens <= s.num_tokens
+        # a verify step computes the drafts past the pending token too
+        assert s.num_computed_tokens <= s.num_tokens + len(s.spec_token_ids)
     assert len(sched.running) <= sched.max_num_seqs
     assert set(sched.seqs) == {s.seq_id for s in sched.running + sched.waiting}
 
@@ -56,8 +57,12 @@ def drive(sched, model, arrivals, aborts, check_order=True, num_speculative_toke
         assert len(out.input_ids) == out.num_batched_tokens
         assert len(out.logits_indices) == sum(len(d) + 1 for d, samples
                                               in zip(out.spec_token_ids, out.do_sample) if samples)
-        assert out.num_decodes == sum(n == 1 for n in out.num_new_tokens)
-        assert all(n == 1 for n in out.num_new_tokens[:out.num_decodes])
+        # decodes lead the batch: output tokens, and only the newest one left to compute
+        decodes = [s.num_output_tokens > 0 and done == len(s.token_ids) - 1
+                   for s, done in zip(out.seqs, out.num_computed_tokens)]
+        assert decodes == [i < out.num_decodes for i in range(len(out))]
+        assert all(n == 1 + len(d) for n, d in zip(out.num_new_tokens[:out.num_decodes],
+                                                   out.spec_token_ids))
         scheduled_ids = {s.seq_id for s in out.seqs}
         assert len(scheduled_ids) == len(out.seqs) and not set(out.preempted_ids) & scheduled_ids
         # admissions take the head of the queue: nobody admitted is less urgent than anyone left
@@ -136,8 +141,7 @@ def run_stream(seed, block_size, extra_blocks, budget, max_num_seqs, prefix_cach
                for r in reqs)
     bm = BlockManager(need + extra_blocks, block_size, enable_prefix_caching=prefix_caching)
     sched = Scheduler(bm, max_num_batched_tokens=max(budget, max_num_seqs),
-                      max_num_seqs=max_num_seqs, max_model_len=max_model_len, eos_token_ids=[EOS],
-                      async_scheduling=async_scheduling)
+                      max_num_seqs=max_num_seqs, max_model_len=max_model_len, eos_token_ids=[EOS])
     model = FakeModel(block_size, vocab)
     arrivals = [[] for _ in range(rng.randint(1, 30))]
     for r in reqs:
@@ -323,7 +327,8 @@ def test_verify_step_takes_accepted_drafts_and_stops_midway():
     seq = sched.seqs[0]
     seq.spec_token_ids = [5, 6, EOS]
     out = sched.schedule()
-    assert out.num_new_tokens == [4] and out.num_decodes == 0 and out.logits_indices == [0, 1, 2, 3]
+    # a decode that verifies three drafts: four tokens, four rows of logits
+    assert out.num_new_tokens == [4] and out.num_decodes == 1 and out.logits_indices == [0, 1, 2, 3]
     assert out.input_ids == [seq.token_ids[-1], 5, 6, EOS] and out.spec_token_ids == [[5, 6, EOS]]
     [s] = sched.update(out, {0: [5, 6, EOS, 8]})
     assert s.output_token_ids[1:] == [5, 6, EOS] and s.finish_reason == 'stop'
@@ -376,6 +381,7 @@ def test_preemption_drops_drafts_and_recomputes_all_but_the_last_token():
     sched.add(high)
     out = sched.schedule()
     assert out.preempted_ids == [0] and low.spec_token_ids == []
+    sched.update(out, model.step(out))
     while sched.has_unfinished_requests() and low.status is not SequenceStatus.RUNNING:
         _step(sched, model)
     # back in: it computes its tokens up to the last one, which then runs as a decode
@@ -415,7 +421,7 @@ def test_priority_preempts_less_urgent():
     out = sched.schedule()
     assert out.preempted_ids == [0] and [s.seq_id for s in out.seqs] == [1]
     assert low.num_computed_tokens == 0
-    order = []
+    order = [s.seq_id for s in sched.update(out, model.step(out))]
     while sched.has_unfinished_requests():
         order += [s.seq_id for s in _step(sched, model)]
     assert order == [1, 0] and sched.num_preemptions == 1
@@ -434,6 +440,7 @@ def test_lru_revives_freed_prefix_after_preemption():
     sched.add(b)
     out = sched.schedule()
     assert out.preempted_ids == [0]
+    sched.update(out, model.step(out))
     while sched.has_unfinished_requests():
         _step(sched, model)
     assert a.num_cached_tokens == 12 and a.output_token_ids == model.alone(a, 64, [EOS])[0]

@@ -416,12 +416,12 @@ def test_verify_steps_run_eagerly_beside_cuda_graphs():
     graphed = LLMEngine(model, speculative_config={'model': model, 'num_speculative_tokens': 2},
                         **kw)
     graphed.runner.capture_cuda_graphs(3, graphed.max_model_len, capture=replay_eagerly)
-    steps, run = [], graphed.runner.run
+    steps, launch = [], graphed.runner.launch
 
-    def recording_run(scheduled):
+    def recording_launch(scheduled, prev=None):
         steps.append([any(scheduled.spec_token_ids), 0])
-        return run(scheduled)
-    graphed.runner.run = recording_run
+        return launch(scheduled, prev)
+    graphed.runner.launch = recording_launch
     graphed.runner.cuda_graphs.graphs = {
         size: ((lambda r=replay: (steps[-1].__setitem__(1, steps[-1][1] + 1), r())), out)
         for size, (replay, out) in graphed.runner.cuda_graphs.graphs.items()}

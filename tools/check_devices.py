@@ -4,7 +4,7 @@ A compiled Triton kernel reads only CUDA tensors, so on a GPU machine a chapter 
 cells feed Triton CPU tensors fails there and nowhere else: CI runs the kernels on the CPU under
 the interpreter, where every tensor is a CPU tensor. The rules, for every chapter whose unflagged
 code (not `slow`, `gpu` or `eval: false`) reaches Triton (`import triton`,
-`petite_llm.engine.kernels`, `TritonAttentionBackend`, or the `'triton'` attention backend by name):
+a module of Triton kernels, `TritonAttentionBackend`, or the `'triton'` attention backend by name):
 
 1. it chooses its device once: a top-level assignment in an unflagged, non-exported cell whose
    value asks `torch.cuda.is_available()` (`device = 'cuda' if torch.cuda.is_available() else
@@ -41,9 +41,10 @@ from nbtools import chapters, directives, read_nb, skipped_by, source, split_dir
 
 MARKER = re.compile(r'#\s*stays on the CPU:\s*\S')
 _IMPORTS_TRITON = re.compile(r'^\s*(import triton|from triton|'
-                             r'from petite_llm\.engine\.(kernels|fused)|'
-                             r'import petite_llm\.engine\.(kernels|fused)|'
-                             r'from petite_llm\.engine import (fused|kernels))', re.M)
+                             r'from petite_llm\.engine\.(attention_kernels|fused|triton_backend)|'
+                             r'import petite_llm\.engine\.(attention_kernels|fused|triton_backend)|'
+                             r'from petite_llm\.engine import (attention_kernels|fused|'
+                             r'triton_backend))', re.M)
 
 
 def _is_resolver(node: ast.AST) -> bool:

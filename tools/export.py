@@ -6,7 +6,7 @@ to create it. A module that no notebook names in `#| default_exp` (petite_llm/en
 fed by chapter 11; petite_llm/model/layers/linear.py, fed by chapters 03 and 14) would so gain a
 second copy of its cells at every export. This script first resets each such module to a header
 whose docstring is the `# petite_llm.NAME: what it holds` line of the first cell that exports to
-it, writes each subpackage's `__init__.py` from PACKAGES, then runs nbdev_export, so `make export`
+it (a default_exp module with such a line gets it too, in place of the summary), writes each subpackage's `__init__.py` from PACKAGES, then runs nbdev_export, so `make export`
 (and the sync check of `make test`) gives the same files every time.
 `python tools/export.py --check` lists the modules it would reset and exits.
 """
@@ -84,6 +84,15 @@ def empty_module(name: str, notebook: str, doc: str) -> str:
             'from __future__ import annotations\n\n# %% auto 0\n__all__ = []\n')
 
 
+def redoc_defaults(defaults: set[str], docs: dict[str, str]):
+    """A `#| default_exp` module with a `# petite_llm.NAME:` line opens on it, not on the summary."""
+    for name in sorted(defaults & set(docs)):
+        path = LIB / (name.replace('.', '/') + '.py')
+        text = path.read_text(encoding='utf-8')
+        end = text.index('"""', 3) + 3                  # nbdev's docstring: the chapter's summary
+        path.write_text(docstring(docs[name]).rstrip('\n') + text[end:], encoding='utf-8')
+
+
 def write_packages():
     """Each subpackage's __init__.py: its docstring, nothing else (no import at package level)."""
     for name, doc in PACKAGES.items():
@@ -98,7 +107,7 @@ def main() -> int:
     parser.add_argument('--check', action='store_true',
                         help='list the modules to reset; export nothing')
     args = parser.parse_args()
-    _, others = module_names()
+    defaults, others = module_names()
     docs = module_docs()
     if missing := sorted(set(others) - set(docs)):
         print(f"no docstring line for {', '.join(missing)}: add `# petite_llm.NAME: what it holds` "
@@ -113,7 +122,10 @@ def main() -> int:
     if args.check:
         return 0
     write_packages()
-    return subprocess.call([str(Path(sys.executable).parent / 'nbdev_export')], cwd=ROOT)
+    if rc := subprocess.call([str(Path(sys.executable).parent / 'nbdev_export')], cwd=ROOT):
+        return rc
+    redoc_defaults(defaults, docs)
+    return 0
 
 
 if __name__ == '__main__':

@@ -124,8 +124,7 @@ def launch_figures(layers=(1, 2), backends=('triton', 'torch')) -> dict:
     "launches_per_layer in a fresh Python with TRITON_INTERPRET=1: Triton's kernels on a CPU."
     code = ('import json; from petite_llm.bench.host import launches_per_layer; '
             f'print(json.dumps(launches_per_layer({tuple(layers)!r}, {tuple(backends)!r})))')
-    # the interpreter is chosen when a kernel is defined: before petite_llm.engine.kernels is
-    # imported
+    # the interpreter is chosen when a kernel is defined: before the kernel modules are imported
     done = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True,
                           env={**os.environ, 'TRITON_INTERPRET': '1'})
     if done.returncode:

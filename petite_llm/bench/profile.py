@@ -33,9 +33,11 @@ def time_step_parts(engine, steps: int, clock=time.thread_time, synchronize=None
             seconds[name] += clock() - start
             return out
         return part
-    # a decode step replays a CUDA graph where the engine captured one: that is its forward
-    parts = [(engine.scheduler, 'schedule', 'schedule'), (runner, 'run', 'run'),
-             (runner, 'prepare', 'prepare'), (runner, 'forward', 'forward')]
+    # the runner's step is launch, then resolve; a decode step replays a CUDA graph where the
+    # engine captured one: that is its forward
+    parts = [(engine.scheduler, 'schedule', 'schedule'), (runner, 'launch', 'run'),
+             (runner, 'resolve', 'run'), (runner, 'prepare_step', 'prepare'),
+             (runner, 'forward', 'forward')]
     if runner.cuda_graphs is not None:
         parts.append((runner.cuda_graphs, 'replay', 'forward'))
     originals = [(obj, attr, getattr(obj, attr)) for obj, attr, _ in parts]

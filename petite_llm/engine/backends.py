@@ -28,7 +28,7 @@ class AttentionMetadata:
     context_lens: torch.Tensor      # [B] int32: tokens in the cache after this step
     query_start_loc: torch.Tensor   # [B+1] int32: sequence i's rows are query_start_loc[i]:[i+1]
     positions: torch.Tensor         # [T] long: absolute position of each new token (for RoPE)
-    num_decodes: int                # the first num_decodes sequences have exactly one new token
+    num_single_token: int           # the first num_single_token sequences have one new token
     max_query_len: int              # host-side bounds: the most new tokens of any sequence,
     max_context_len: int            # and the longest context (what a kernel launch is sized by)
     query_start_loc_cpu: list[int]  # host-side copies, so that forward never calls .item()
@@ -63,9 +63,9 @@ class AttentionMetadata:
         positions = done[seq_of_token] + offset
         block_ids = tables[seq_of_token, positions // block_size].astype(np.int64)
         slot_mapping = block_ids * block_size + positions % block_size
-        # decodes come first: count the leading sequences with exactly one new token
-        not_decode = new != 1
-        num_decodes = int(not_decode.argmax()) if not_decode.any() else num_seqs
+        # the decodes lead the batch: count the leading sequences with exactly one new token
+        longer = new != 1
+        num_single_token = int(longer.argmax()) if longer.any() else num_seqs
         on_host = device is None or torch.device(device).type == 'cpu'
 
         def to_device(x: np.ndarray, dtype: np.dtype) -> torch.Tensor:
@@ -77,7 +77,7 @@ class AttentionMetadata:
                    context_lens=to_device(context_lens, np.int32),
                    query_start_loc=to_device(query_start_loc, np.int32),
                    positions=to_device(positions, np.int64),
-                   num_decodes=num_decodes,
+                   num_single_token=num_single_token,
                    max_query_len=int(new.max(initial=0)),
                    max_context_len=int(context_lens.max(initial=0)),
                    query_start_loc_cpu=query_start_loc.tolist(),
@@ -186,7 +186,7 @@ class TorchAttentionBackend(AttentionBackend):
         if max_padding is None:
             max_padding = 1.0 if device.type == 'cuda' else 0.25
         # a padding row (length 0) attends to slot 0, not to nothing (which would give NaN)
-        lengths = [max(n, 1) for n in md.context_lens_cpu[:md.num_decodes]]
+        lengths = [max(n, 1) for n in md.context_lens_cpu[:md.num_single_token]]
         groups = []
         for rows in group_by_length(lengths, max_padding):
             length = max(lengths[i] for i in rows)
@@ -221,7 +221,7 @@ class TorchAttentionBackend(AttentionBackend):
             o = _sdpa(q[group.rows].unsqueeze(2), keys, values, group.mask, scale)
             out[group.rows] = o.squeeze(2)                               # [D, nh, hd]
         # prefill chunks, one sequence at a time
-        for i in range(md.num_decodes, len(md.context_lens_cpu)):
+        for i in range(md.num_single_token, len(md.context_lens_cpu)):
             start, end = md.query_start_loc_cpu[i], md.query_start_loc_cpu[i + 1]
             num_queries = end - start
             context_len = max(md.context_lens_cpu[i], 1)

@@ -14,24 +14,42 @@ from typing import Iterator
 from tqdm.auto import tqdm
 
 from .backends import AttentionBackend
-from .config import EngineConfig, log_engine_start, size_engine
+from .config import EngineConfig
 from .loading import (get_attention_backend, load_engine_model,
                                        read_generation_config)
 from .outputs import (EngineStats, OutputProcessor, RequestOutput,
                                        SpecDecodingStats, merge_outputs)
 from .paging import BlockManager
-from .runner import (ModelRunner, ModelRunnerOutput, StepInFlight, build_runner,
-                                      compile_model)
+from .runner import StepInFlight, build_runner, compile_model
 from ..model.sampling import SamplingParams
-from .scheduler import Scheduler, SchedulerOutput, Sequence
+from .scheduler import Scheduler, Sequence
+from .sizing import EngineSizes, size_engine
 from .speculative import SpeculativeConfig, Speculator, load_draft_model
 from ..model.tokenizer import Tokenizer, as_list
 
-# one log for the engine's modules (config, loading, the workers log to it too)
+# one log for the engine's modules (sizing, loading, the workers log to it too)
 logger = logging.getLogger('petite_llm.engine')
 
 # %% auto #0
-__all__ = ['logger', 'LLMEngine', 'LLM']
+__all__ = ['logger', 'log_engine_start', 'LLMEngine', 'LLM']
+
+# %% ../../nbs/14_engine.ipynb #e14s0001
+def log_engine_start(config: EngineConfig, sizes: EngineSizes, runner) -> None:
+    "Log what an engine chose: the KV pool, the step's limits, the attention backend, compiling."
+    logger.info("KV cache: %d blocks of %d tokens = %d tokens, %.1f MiB (%s); max_model_len=%d",
+                sizes.num_blocks, config.block_size, sizes.num_blocks * config.block_size,
+                sizes.kv_cache_memory / 2**20, sizes.source, sizes.max_model_len)
+    logger.info("a step: at most %d tokens and %d sequences", sizes.max_num_batched_tokens,
+                sizes.max_num_seqs)
+    graphs = runner.cuda_graphs
+    logger.info("attention backend: %s%s; decode steps %s", runner.backend.name,
+                " (batch-invariant)" if runner.backend.batch_invariant else "",
+                f"replay CUDA graphs for batch sizes {graphs.batch_sizes}"
+                if graphs is not None else "run eagerly")
+    if runner.compiled is not None:
+        logger.info("torch.compile: each new kind of step compiles on its first run "
+                    "(about a minute for Qwen3-0.6B on two cores)")
+
 
 # %% ../../nbs/14_engine.ipynb #71ba17f3
 class LLMEngine:
@@ -71,15 +89,13 @@ class LLMEngine:
         self.block_manager = BlockManager(sizes.num_blocks, config.block_size,
                                           config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, sizes.max_num_batched_tokens,
-                                   sizes.max_num_seqs, sizes.max_model_len, self.eos_token_ids,
-                                   config.async_scheduling)
+                                   sizes.max_num_seqs, sizes.max_model_len, self.eos_token_ids)
         self.speculator = None
         if spec_config is not None:
             # the draft gets a backend of its own: a backend keeps per-model buffers
             self.speculator = Speculator(spec_config, draft, sizes.num_blocks, config.block_size,
-                                         self._attention_backend(), self.eos_token_ids,
-                                         sizes.max_model_len)
-        self.runner = build_runner(model, config, sizes, self.eos_token_ids, compiled,
+                                         self._attention_backend(), sizes.max_model_len)
+        self.runner = build_runner(model, config, sizes, compiled,
                                    self.speculator, workers)
         log_engine_start(config, sizes, self.runner)
         self.output_processor = OutputProcessor(tokenizer, self.scheduler)
@@ -197,23 +213,31 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         "One forward pass; an output for each request that got tokens, finished or was aborted."
-        if self.config.async_scheduling:
-            return self._step_overlapped()
-        if not self.scheduler.has_unfinished_requests():
-            return self.output_processor.process()
+        # serial: launch a step and resolve it. Async scheduling: launch the next step, then
+        # resolve the one in flight, unless a sampler reads its tokens (then that one first)
         start = time.perf_counter()
-        if self.speculator is not None:
-            self.speculator.propose(self.scheduler)      # drafts for the decodes (chapter 15)
-        scheduled = self.scheduler.schedule()
-        if len(scheduled) == 0:
+        prev, self._in_flight = self._in_flight, None
+        overlap = self.config.async_scheduling and self._can_overlap()
+        if prev is not None and not overlap:
+            return self._finish_step(prev, start)
+        if self.scheduler.has_unfinished_requests():
+            if self.speculator is not None:
+                self.speculator.propose(self.scheduler)      # drafts for the decodes (chapter 15)
+            scheduled = self.scheduler.schedule()
+            if len(scheduled):
+                # prompt tokens: what the step computes besides its decodes (chunks, recomputes)
+                self._prompt_tokens += sum(scheduled.num_new_tokens[scheduled.num_decodes:])
+                self._in_flight = self.runner.launch(scheduled, prev)
+        if not overlap:
+            prev, self._in_flight = self._in_flight, None
+        if prev is None:
+            self._busy += time.perf_counter() - start
             return self.output_processor.process()
-        result = self.runner.run(scheduled)
-        self._prompt_tokens += _num_prompt_tokens(scheduled)
-        return self._finish_step(scheduled, result, start)
+        return self._finish_step(prev, start)
 
-    def _finish_step(self, scheduled: SchedulerOutput, result: ModelRunnerOutput,
-                     start: float) -> list[RequestOutput]:
-        "A step's tokens into the scheduler, the counters and the requests' outputs."
+    def _finish_step(self, step: StepInFlight, start: float) -> list[RequestOutput]:
+        "Resolve a launched step; its tokens into the scheduler, the counters and the outputs."
+        scheduled, result = step.scheduled, self.runner.resolve(step)
         num_tokens = sum(len(seq.token_ids) for seq in result.seqs)
         self.scheduler.update(scheduled, result.token_ids)
         self._generated_tokens += sum(len(seq.token_ids) for seq in result.seqs) - num_tokens
@@ -225,28 +249,10 @@ class LLMEngine:
         self._busy += time.perf_counter() - start
         return outputs
 
-    def _step_overlapped(self) -> list[RequestOutput]:
-        "Async scheduling: launch the next step, then resolve the one in flight; its outputs."
-        start = time.perf_counter()
-        prev, self._in_flight = self._in_flight, None
-        overlap = self._can_overlap()
-        if prev is not None and not overlap:
-            # a sampler that reads token values: the next step waits for these on the host
-            return self._finish_step(prev.scheduled, self.runner.resolve(prev), start)
-        scheduled = self.scheduler.schedule() if self.scheduler.has_unfinished_requests() else []
-        if len(scheduled):
-            self._prompt_tokens += _num_prompt_tokens(scheduled)
-            if not overlap:                 # nothing in flight: this step runs serially
-                return self._finish_step(scheduled, self.runner.run(scheduled), start)
-            self._in_flight = self.runner.launch(scheduled, prev)
-        if prev is None:
-            self._busy += time.perf_counter() - start
-            return self.output_processor.process()
-        return self._finish_step(prev.scheduled, self.runner.resolve(prev), start)
-
     def _can_overlap(self) -> bool:
         "Whether a step may launch before the host has the tokens of the one in flight."
-        return all(_overlap_safe(seq.sampling_params) for seq in self.scheduler.seqs.values())
+        # seeded draws and min_tokens read the output position, which counts the pending tokens
+        return not any(seq.sampling_params.reads_tokens for seq in self.scheduler.seqs.values())
 
     @property
     def stats(self) -> EngineStats:
@@ -260,20 +266,6 @@ class LLMEngine:
 def _is_token_id(t, vocab_size: int) -> bool:
     "True for an int (not a bool) in [0, vocab_size)."
     return isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size
-
-def _num_prompt_tokens(scheduled: SchedulerOutput) -> int:
-    "Tokens that are not decodes (nor drafts): prompt chunks, and recomputes after preemption."
-    # a decode starts at the sequence's last token, an output token, and samples after its drafts
-    rows = zip(scheduled.seqs, scheduled.num_computed_tokens, scheduled.num_new_tokens,
-               scheduled.spec_token_ids, scheduled.do_sample)
-    return sum(new for seq, done, new, drafts, samples in rows
-               if not (samples and new == 1 + len(drafts) and done >= seq.num_prompt_tokens))
-
-def _overlap_safe(p: SamplingParams) -> bool:
-    "A sampler that reads only how many tokens a sequence has: no penalty, no logprobs."
-    # seeded draws and min_tokens read the output position, which counts the pending tokens
-    return (p.repetition_penalty == 1.0 and p.presence_penalty == 0
-            and p.frequency_penalty == 0 and p.logprobs is None)
 
 # %% ../../nbs/14_engine.ipynb #dd9ab168
 def _is_token_ids(p) -> bool:

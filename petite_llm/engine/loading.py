@@ -70,7 +70,7 @@ def get_attention_backend(name: str = 'auto', device='cpu',
         raise ValueError("attention_backend='triton' runs on a CUDA GPU; on a CPU use 'torch' "
                          "(or set TRITON_INTERPRET=1 before triton is first imported, "
                          "to run the kernels in Triton's slow interpreter)")
-    from petite_llm.engine.kernels import TritonAttentionBackend
+    from petite_llm.engine.triton_backend import TritonAttentionBackend
     return TritonAttentionBackend(batch_invariant=batch_invariant)
 
 # %% ../../nbs/14_engine.ipynb #cb218e75

@@ -21,7 +21,7 @@ from torch import nn
 
 from .backends import AttentionBackend, AttentionMetadata, TorchAttentionBackend
 from .paging import allocate_kv_cache, cdiv
-from ..model.sampling import Sampler, SamplingParams
+from ..model.sampling import Sampler
 from .scheduler import SchedulerOutput, Sequence
 
 # %% ../../nbs/14_engine.ipynb #f0c44ed1
@@ -37,10 +37,10 @@ class ModelRunnerOutput:
 
 class ModelRunner:
     "Owns the model and its KV pool: SchedulerOutput → tensors → forward pass → sampled tokens."
-    def __init__(self, model, num_blocks: int, block_size: int, eos_token_ids=(),
+    def __init__(self, model, num_blocks: int, block_size: int,
                  backend: AttentionBackend | None = None, compiled: Callable | None = None,
                  speculator=None, workers=None):
-        self.model, self.block_size, self.eos_token_ids = model, block_size, list(eos_token_ids)
+        self.model, self.block_size = model, block_size
         self.device = next(model.parameters()).device
         # [num_blocks, block_size, nkv, hd] per layer, K and V
         self.kv_caches = allocate_kv_cache(model, num_blocks, block_size)
@@ -114,105 +114,106 @@ class ModelRunner:
             hidden = self.forward(input_ids, positions, attn_metadata)     # [T, H]
         return self.model.compute_logits(hidden[logits_indices])          # [R, V]
 
-    @torch.inference_mode()
     def run(self, scheduled: SchedulerOutput) -> ModelRunnerOutput:
-        "One forward pass over the scheduled tokens; logits and a token for each row that samples."
-        logits = self.execute(self.step_inputs(scheduled))                # [R, V]
-        seqs = scheduled.sampling_seqs
-        if any(scheduled.spec_token_ids):
-            # chapter 15: rejection sampling over the rows of the drafts
-            return self.speculator.sample(scheduled, logits, self.sampler)
-        params = [seq.sampling_params for seq in seqs]
-        # the argmax is all the sampler would do
-        if all(_plain_greedy(p, seq) for p, seq in zip(params, seqs)):
-            token_ids = logits.float().argmax(-1).tolist()
-            logprobs = [None] * len(seqs)
-        else:
-            sampled = self.sampler(logits, params,
-                                   [seq.prompt_token_ids for seq in seqs],
-                                   [seq.output_token_ids for seq in seqs],
-                                   [p.stop_token_set(self.eos_token_ids) for p in params])
-            token_ids, logprobs = sampled.token_ids, sampled.logprobs
-        return ModelRunnerOutput(seqs, [[t] for t in token_ids], [[lp] for lp in logprobs],
-                                 logits, [0] * len(seqs))
+        "One step, start to finish: the forward pass, then a token for each row that samples."
+        return self.resolve(self.launch(scheduled))
 
     @torch.inference_mode()
     def launch(self, scheduled: SchedulerOutput, prev: StepInFlight | None = None) -> StepInFlight:
-        "Queue a step without a device sync; its decodes' pending tokens come from prev's tensor."
-        # async scheduling: every sequence that samples reads only the count of its tokens
-        fill = None
-        if prev is not None:
-            # decodes of a token prev sampled: a placeholder in input_ids, filled on the device
-            rows, src = [], []
-            for i in range(scheduled.num_decodes):
-                seq = scheduled.seqs[i]
-                if scheduled.num_computed_tokens[i] == len(seq.token_ids):
-                    rows.append(i)
-                    src.append(prev.rows[seq.seq_id])
-            if rows:
-                rows, src = self._as_tensor(rows), self._as_tensor(src)
-
-                def fill(input_ids):
-                    input_ids[rows] = prev.token_ids[src]
-        logits = self.execute(self.step_inputs(scheduled), fill)                # [S, V]
+        "Queue a step's forward pass and sampling; with prev, its pending tokens come from prev's."
+        logits = self.execute(self.step_inputs(scheduled), self._fill_pending(scheduled, prev))
         seqs = scheduled.sampling_seqs
+        if any(scheduled.spec_token_ids):
+            # chapter 15: rejection sampling over the rows of the drafts, on the host
+            return StepInFlight(scheduled, seqs, logits,
+                                output=self.speculator.sample(scheduled, logits, self.sampler))
         params = [seq.sampling_params for seq in seqs]
+        if any(p.reads_tokens for p in params):
+            # penalties and logprobs read the tokens themselves: none is pending (LLMEngine waits)
+            sampled = self.sampler(logits, params, [seq.prompt_token_ids for seq in seqs],
+                                   [seq.output_token_ids for seq in seqs],
+                                   [seq.stop_ids for seq in seqs])
+            output = ModelRunnerOutput(seqs, [[t] for t in sampled.token_ids],
+                                       [[lp] for lp in sampled.logprobs], logits, [0] * len(seqs))
+            return StepInFlight(scheduled, seqs, logits, output=output)
         # each one's output position: its tokens out and pending, less the one it samples now
         num_out = [seq.num_output_tokens + seq.num_pending - 1 for seq in seqs]
         if all(p.greedy and n >= p.min_tokens for p, n in zip(params, num_out)):
             token_ids = logits.float().argmax(-1)                          # [S]
         else:
-            # with no penalty the sampler reads only len(output_ids): ranges of the right length
+            # the sampler reads only len(output_ids) here: ranges of the right length
             output_ids = [range(n) for n in num_out]
             probs = self.sampler.probs(logits, params, [seq.prompt_token_ids for seq in seqs],
                                        output_ids, [seq.stop_ids for seq in seqs])
             token_ids = self.sampler.sample(probs, params, output_ids)     # [S]
-        copied = None
-        host_token_ids = token_ids
-        if token_ids.is_cuda:
-            # the copy to the host goes now, so that resolving waits for this step, not the next
-            host_token_ids = torch.empty(token_ids.shape, dtype=token_ids.dtype, pin_memory=True)
-            host_token_ids.copy_(token_ids, non_blocking=True)
-            copied = torch.cuda.Event()
-            copied.record()
-        return StepInFlight(scheduled, seqs, {seq.seq_id: r for r, seq in enumerate(seqs)},
-                            token_ids, logits, host_token_ids, copied)
+        return StepInFlight(scheduled, seqs, logits, token_ids, *_copy_to_host(token_ids))
+
+    def _fill_pending(self, scheduled: SchedulerOutput, prev: StepInFlight | None):
+        "input_ids' placeholders for tokens prev sampled, filled on the device; None if none."
+        # async scheduling: a decode whose newest token is pending reads it from prev's tensor
+        if prev is None:
+            return None
+        rows = [i for i in range(scheduled.num_decodes)
+                if scheduled.num_computed_tokens[i] == len(scheduled.seqs[i].token_ids)]
+        if not rows:
+            return None
+        row_of = prev.rows                                # seq_id -> its row in prev.token_ids
+        src = self._as_tensor([row_of[scheduled.seqs[i].seq_id] for i in rows])
+        rows = self._as_tensor(rows)
+
+        def fill(input_ids):
+            input_ids[rows] = prev.token_ids[src]
+        return fill
 
     def resolve(self, step: StepInFlight) -> ModelRunnerOutput:
-        "Wait for a launched step's tokens (its one sync) and return them as run() would."
+        "Wait for a launched step's tokens (its one sync): the step's ModelRunnerOutput."
+        if step.output is not None:
+            return step.output
         if step.copied is not None:
             step.copied.synchronize()
         token_ids = step.host_token_ids.tolist()
         return ModelRunnerOutput(step.seqs, [[t] for t in token_ids],
                                  [[None] for _ in token_ids], step.logits, [0] * len(token_ids))
 
-@dataclass
+@dataclass(eq=False)
 class StepInFlight:
-    "A step launched on the device whose tokens the host has not read yet (async scheduling)."
+    "A launched step: its tokens on the device, the host's copy under way (or its output, done)."
     scheduled: SchedulerOutput
     seqs: list[Sequence]                    # [S] the sequences that sample, in row order
-    rows: dict[int, int]                    # seq_id -> its row in token_ids
-    token_ids: torch.Tensor                 # [S] sampled, on the device
-    logits: torch.Tensor                    # [S, V]
-    host_token_ids: torch.Tensor            # [S] their copy on the host (pinned, under way on CUDA)
-    copied: torch.cuda.Event | None         # recorded after that copy on CUDA; else None
+    logits: torch.Tensor                    # [R, V]
+    token_ids: torch.Tensor | None = None   # [S] sampled, on the device
+    host_token_ids: torch.Tensor | None = None   # [S] their copy on the host (pinned on CUDA)
+    copied: torch.cuda.Event | None = None  # recorded after that copy on CUDA; else None
+    # a step sampled on the host (drafts verified, penalties, logprobs): what resolve returns
+    output: ModelRunnerOutput | None = None
 
-def _plain_greedy(p: SamplingParams, seq: Sequence) -> bool:
-    "Greedy, nothing that could move the argmax (penalties, an unmet min_tokens), no logprobs."
-    return (p.greedy and p.repetition_penalty == 1.0 and p.presence_penalty == 0
-            and p.frequency_penalty == 0 and p.logprobs is None
-            and seq.num_output_tokens >= p.min_tokens)
+    @property
+    def rows(self) -> dict[int, int]:
+        "seq_id -> its row in token_ids."
+        return {seq.seq_id: r for r, seq in enumerate(self.seqs)}
+
+def _copy_to_host(token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+    "Start copying a step's tokens to the host: (the host tensor, an event to wait on, or None)."
+    if not token_ids.is_cuda:
+        return token_ids, None
+    # the copy goes now, so that resolving waits for this step, not the next one
+    host = torch.empty(token_ids.shape, dtype=token_ids.dtype, pin_memory=True)
+    host.copy_(token_ids, non_blocking=True)
+    copied = torch.cuda.Event()
+    copied.record()
+    return host, copied
 
 # %% ../../nbs/14_engine.ipynb #rf000002
-from .config import EngineConfig, EngineSizes
+from .config import EngineConfig
 from .loading import get_attention_backend
+from .sizing import EngineSizes
 
-def build_runner(model: nn.Module, config: EngineConfig, sizes: EngineSizes, eos_token_ids=(),
+def build_runner(model: nn.Module, config: EngineConfig, sizes: EngineSizes,
                  compiled: Callable | None = None, speculator=None, workers=None) -> ModelRunner:
     "One rank's runner, built alike on every rank: backend, KV pool, CUDA graphs if they apply."
     device = next(model.parameters()).device
     backend = get_attention_backend(config.attention_backend, device, config.batch_invariant)
-    runner = ModelRunner(model, sizes.num_blocks, config.block_size, eos_token_ids, backend,
+    runner = ModelRunner(model, sizes.num_blocks, config.block_size, backend,
                          compiled, speculator, workers)
     if not config.enforce_eager and device.type == 'cuda' and backend.supports_cuda_graphs:
         runner.capture_cuda_graphs(sizes.max_num_seqs, sizes.max_model_len)
@@ -260,7 +261,7 @@ class CUDAGraphs:
             context_lens=self.context_lens[:batch_size],
             query_start_loc=self.query_start_loc[:batch_size + 1],
             positions=self.positions[:batch_size],
-            num_decodes=batch_size, max_query_len=1, max_context_len=bound,
+            num_single_token=batch_size, max_query_len=1, max_context_len=bound,
             query_start_loc_cpu=list(range(batch_size + 1)),
             context_lens_cpu=[bound] * batch_size, backend=self.backend)
 
@@ -279,7 +280,7 @@ class CUDAGraphs:
     def can_replay(self, md: AttentionMetadata) -> bool:
         "Whether a recorded graph covers this step: decodes only, few enough, a narrow table."
         num_seqs = len(md.context_lens_cpu)
-        return (md.num_decodes == num_seqs and 0 < num_seqs <= self.batch_sizes[-1]
+        return (md.num_single_token == num_seqs and 0 < num_seqs <= self.batch_sizes[-1]
                 and md.block_tables.shape[1] <= self.max_blocks)
 
     def replay(self, input_ids: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:

@@ -40,7 +40,7 @@ class Sequence:
         self.num_cached_tokens = 0     # of those, found in the prefix cache at the last admission
         self.block_table: list[int] = []
         self.spec_token_ids: list[int] = []   # drafts its next decode verifies (chapter 15)
-        self.num_pending = 0           # sampled by a step in flight, not appended yet (async)
+        self.num_pending = 0           # sampled by a scheduled step, not appended yet
         self.stop_ids: set[int] = set()   # eos and stop token ids, set by Scheduler.add
         self.arrival = -1              # set by Scheduler.add: first come, first served
         self.status = SequenceStatus.WAITING
@@ -71,7 +71,7 @@ class Sequence:
 
     @property
     def is_decoding(self) -> bool:
-        "True when its next step is a decode: it has output tokens and only the last is uncomputed."
+        "A decode: it has output tokens and only the newest is uncomputed (the one rule for it)."
         # read per sequence per step: no nested properties
         num_tokens = len(self.token_ids) + self.num_pending
         return num_tokens > self.num_prompt_tokens and self.num_computed_tokens == num_tokens - 1
@@ -90,7 +90,7 @@ class SchedulerOutput:
     num_computed_tokens: list[int]     # tokens already in the cache for each, before this step
     spec_token_ids: list[list[int]]    # the drafts each verifies after its last token (mostly [])
     do_sample: list[bool]              # the step reaches the sequence's last token (and drafts)
-    num_decodes: int                   # the first num_decodes sequences compute exactly one token
+    num_decodes: int                   # the first num_decodes sequences are decodes
     preempted_ids: list[int]
 
     @property
@@ -115,7 +115,7 @@ class SchedulerOutput:
                 ids.append(token_ids[done] if done < len(token_ids) else 0)
                 continue
             # a step that runs past the last token runs the drafts after it
-            ids += seq.token_ids[done:done + new] + drafts[:max(done + new - seq.num_tokens, 0)]
+            ids += seq.token_ids[done:done + new] + drafts[:max(done + new - len(seq.token_ids), 0)]
         return ids
 
     @property
@@ -153,8 +153,7 @@ class SchedulerStats:
 class Scheduler:
     "Continuous batching over a BlockManager: chunked prefill, preemption by recompute, priorities."
     def __init__(self, block_manager: BlockManager, max_num_batched_tokens: int = 2048,
-                 max_num_seqs: int = 256, max_model_len: int = 4096, eos_token_ids=(),
-                 async_scheduling: bool = False):
+                 max_num_seqs: int = 256, max_model_len: int = 4096, eos_token_ids=()):
         if max_num_seqs < 1 or max_num_batched_tokens < max_num_seqs:
             raise ValueError(f"need 1 <= max_num_seqs <= max_num_batched_tokens, "
                              f"got max_num_seqs={max_num_seqs}, "
@@ -164,8 +163,6 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
         self.max_model_len, self.eos_token_ids = max_model_len, tuple(eos_token_ids)
-        # schedule() may run again before update() has the tokens of the step it built
-        self.async_scheduling = async_scheduling
         self.waiting: list[Sequence] = []     # most urgent first
         self.running: list[Sequence] = []
         self.seqs: dict[int, Sequence] = {}   # every unfinished sequence, by id
@@ -254,7 +251,7 @@ class Scheduler:
             return self.max_num_batched_tokens - self._num_scheduled_tokens
 
         def decodes_first(seq):
-            return (seq.num_tokens - seq.num_computed_tokens > 1, seq.urgency)
+            return (not seq.is_decoding, seq.urgency)
 
         # 1. running sequences: decodes (one token left to compute, and its drafts) first, then
         #    unfinished prefills; urgent first
@@ -288,21 +285,21 @@ class Scheduler:
                 scheduled[seq] = num_new
                 self._num_scheduled_tokens += num_new
 
-        order = sorted(scheduled, key=lambda s: scheduled[s] != 1)   # stable: decodes, then chunks
+        # decodes first (those verifying drafts after the others), then prefill chunks; stable
+        order = sorted(scheduled, key=lambda s: (not s.is_decoding, bool(s.spec_token_ids)))
+        num_decodes = sum(seq.is_decoding for seq in order)
         num_new_tokens = [scheduled[seq] for seq in order]
         num_computed_tokens = [seq.num_computed_tokens for seq in order]
         spec_token_ids = [list(seq.spec_token_ids) if seq.is_decoding else [] for seq in order]
         do_sample = [done + new == seq.num_tokens + len(drafts) for seq, done, new, drafts
                      in zip(order, num_computed_tokens, num_new_tokens, spec_token_ids)]
-        if self.async_scheduling:
-            # advanced now, not in update(): the next schedule() may come first
-            for seq, new, samples in zip(order, num_new_tokens, do_sample):
-                seq.num_computed_tokens += new
-                seq.num_pending += samples        # a placeholder for the token it will sample
+        # advanced now, not in update(): with async scheduling the next schedule() comes first
+        for seq, new, samples in zip(order, num_new_tokens, do_sample):
+            seq.num_computed_tokens += new
+            seq.num_pending += samples            # a placeholder for the token it will sample
         preempted, self._preempted = self._preempted, []
         return SchedulerOutput(order, num_new_tokens, num_computed_tokens, spec_token_ids,
-                               do_sample, num_decodes=sum(new == 1 for new in num_new_tokens),
-                               preempted_ids=preempted)
+                               do_sample, num_decodes, preempted_ids=preempted)
 
     def _at_length(self, seq: Sequence, num_tokens: int) -> bool:
         "True when num_tokens tokens of seq reach its max_tokens (as output) or max_model_len."
@@ -341,23 +338,16 @@ class Scheduler:
         return None
 
     def update(self, out: SchedulerOutput, sampled) -> list[Sequence]:
-        "Record a step: advance, append sampled tokens, hash full blocks; return who finished."
+        "Record a step: sampled tokens for the pending ones, hash full blocks; return who finished."
         # sampled: {seq_id: token or list of tokens}, or a list in the order of out.sampling_seqs;
         # a sequence that verified d drafts gets its accepted drafts and one token more
         if not isinstance(sampled, dict):
             sampled = dict(zip([seq.seq_id for seq in out.sampling_seqs], sampled))
         finished = []
-        rows = zip(out.seqs, out.num_computed_tokens, out.num_new_tokens, out.spec_token_ids,
-                   out.do_sample)
-        for seq, done, new, drafts, samples in rows:
-            if self.async_scheduling:
-                seq.num_pending -= samples        # schedule() advanced num_computed_tokens
-                if seq.status is SequenceStatus.FINISHED:
-                    continue                      # stopped (or aborted) since: token dropped
-            elif seq.status is not SequenceStatus.RUNNING:
-                continue                          # aborted or finished since schedule()
-            else:
-                seq.num_computed_tokens = done + new
+        for seq, drafts, samples in zip(out.seqs, out.spec_token_ids, out.do_sample):
+            seq.num_pending -= samples            # schedule() advanced num_computed_tokens
+            if seq.status is SequenceStatus.FINISHED:
+                continue                          # stopped (or aborted) since: token dropped
             reason = None
             if samples:
                 tokens = sampled[seq.seq_id]
@@ -372,8 +362,8 @@ class Scheduler:
                     if reason:
                         break
             if seq.status is SequenceStatus.RUNNING:
-                # hash only now: these tokens are computed (a preempted sequence holds no blocks,
-                # but keeps the token it sampled before: async mode)
+                # hash only now: these tokens are computed (a sequence preempted since schedule()
+                # holds no blocks, but keeps the token it sampled: async scheduling)
                 self.block_manager.commit(seq)
             if reason:
                 self._finish(seq, reason)

@@ -177,9 +177,9 @@ def draft_params(params: SamplingParams) -> SamplingParams:
 class DraftModelProposer:
     "A smaller model with the target's vocabulary drafts tokens for many sequences at once."
     def __init__(self, model: nn.Module, num_blocks: int, block_size: int,
-                 backend: AttentionBackend, eos_token_ids=()):
+                 backend: AttentionBackend):
         # its own K/V pool, addressed by the target's block ids
-        self.runner = ModelRunner(model, num_blocks, block_size, eos_token_ids, backend)
+        self.runner = ModelRunner(model, num_blocks, block_size, backend)
         self.sampler = Sampler()
         # seq id -> (tokens whose draft K/V is cached, the sequence's num_preemptions then)
         self.cached: dict[int, tuple[int, int]] = {}
@@ -223,8 +223,7 @@ class DraftModelProposer:
             params = [draft_params(seq.sampling_params) for seq in batch]
             history = [seq.output_token_ids + drafts[i] for i, seq in zip(rows, batch)]
             q = self.sampler.probs(logits, params, [seq.prompt_token_ids for seq in batch],
-                                   history, [p.stop_token_set(runner.eos_token_ids)
-                                             for p in params])                     # [B, V]
+                                   history, [seq.stop_ids for seq in batch])       # [B, V]
             tokens = self.sampler.sample(q, params, history).tolist()
             for r, i in enumerate(rows):
                 drafts[i].append(tokens[r])
@@ -238,8 +237,8 @@ class DraftModelProposer:
 class Speculator:
     "Speculation inside the engine: drafts for the decodes before a step, verified after it."
     def __init__(self, config: SpeculativeConfig, draft_model: nn.Module | None, num_blocks: int,
-                 block_size: int, backend: AttentionBackend, eos_token_ids, max_model_len: int):
-        self.config, self.eos_token_ids = config, list(eos_token_ids)
+                 block_size: int, backend: AttentionBackend, max_model_len: int):
+        self.config = config
         self.draft = None
         if draft_model is not None:
             if draft_model.config.max_position_embeddings < max_model_len:
@@ -247,8 +246,7 @@ class Speculator:
                               f"{draft_model.config.max_position_embeddings} positions, fewer than "
                               f"max_model_len={max_model_len}; lower max_model_len or pick a draft "
                               "with a longer context")
-            self.draft = DraftModelProposer(draft_model, num_blocks, block_size, backend,
-                                            eos_token_ids)
+            self.draft = DraftModelProposer(draft_model, num_blocks, block_size, backend)
         self.draft_probs: dict[int, torch.Tensor] = {}   # seq id -> q of its drafts [d, V]
 
     def propose(self, scheduler: Scheduler):
@@ -286,7 +284,7 @@ class Speculator:
         params = [seq.sampling_params for seq, _ in rows]
         history = [seq.output_token_ids + before for seq, before in rows]
         probs = sampler.probs(logits, params, [seq.prompt_token_ids for seq, _ in rows], history,
-                              [p.stop_token_set(self.eos_token_ids) for p in params])   # [R, V]
+                              [seq.stop_ids for seq, _ in rows])                 # [R, V]
         noise = sampler.noise(probs, params, history)                                  # [R, V]
         draft_ids = torch.tensor([t for d in drafts for t in d + [-1]], device=logits.device)
         q = self._draft_probs(seqs, drafts, probs)

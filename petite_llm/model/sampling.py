@@ -97,6 +97,13 @@ class SamplingParams:
         "True when the next token is the argmax (temperature 0)."
         return self.temperature == 0
 
+    @property
+    def reads_tokens(self) -> bool:
+        "True when sampling reads the token values so far (penalties) or reports each (logprobs)."
+        # otherwise only their count matters: seeded draws and min_tokens read the position
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0
+                or self.frequency_penalty != 0 or self.logprobs is not None)
+
     def stop_token_set(self, eos_token_ids=()) -> set[int]:
         "The token ids that end this request: eos ids (unless `ignore_eos`) plus `stop_token_ids`."
         return set(self.stop_token_ids) | (set() if self.ignore_eos else set(eos_token_ids))

@@ -24,13 +24,13 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from ..model.config import ModelConfig, resolve_device
-from ..engine.config import EngineConfig, size_engine
+from ..engine.config import EngineConfig
+from ..engine.sizing import size_engine
 from ..engine.loading import load_engine_model
 from .tensor_parallel import (TensorParallelError, check_tensor_parallel,
                                                  parallelize, shard_checkpoint, shard_int8)
 from ..model.quantization import load_q8_0
 from ..engine.runner import ModelRunner, build_runner
-from ..engine.speculative import SpeculativeConfig
 from ..model.weights import checkpoint_path
 
 logger = logging.getLogger('petite_llm.engine')
@@ -41,25 +41,11 @@ def _launched_by_torchrun() -> bool:
     return 'RANK' in os.environ and 'WORLD_SIZE' in os.environ
 
 def check_engine_options(config: EngineConfig, model) -> ModelConfig:
-    "Refuse what a tensor-parallel engine cannot run, before any process starts; its ModelConfig."
+    "Refuse what this machine or model cannot split, before any process starts; its ModelConfig."
     size = config.tensor_parallel_size
     if isinstance(model, nn.Module):
         raise ValueError("tensor_parallel_size > 1 loads each rank's shard from the checkpoint: "
                          "pass the model's path or hub id, not a built model")
-    spec = config.speculative_config
-    drafts = spec is not None and SpeculativeConfig.from_dict(spec).method == 'draft_model'
-    refused = [name for name, on in (('async_scheduling', config.async_scheduling),
-                                     ('enable_torch_compile', config.enable_torch_compile),
-                                     ('a draft model', drafts))
-               if on]
-    if refused:
-        hint = " (speculative method 'ngram' does run)" if drafts else ''
-        raise ValueError(f"tensor_parallel_size={size} does not run with {', '.join(refused)}: "
-                         f"turn that off{hint}, or use tensor_parallel_size=1")
-    if config.batch_invariant and size > 2:    # chapter 20: two ranks add a + b, either way round
-        raise ValueError(f"batch_invariant=True with tensor_parallel_size={size}: an all-reduce "
-                         "over more than two ranks may add their partial sums in an order that "
-                         "changes with the batch; use tensor_parallel_size 1 or 2")
     if dist.is_initialized() and not _launched_by_torchrun():
         raise ValueError("this process already belongs to a process group (another tensor-parallel "
                          "engine?): shut that engine down (LLM.shutdown()) before starting one")
