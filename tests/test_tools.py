@@ -84,6 +84,30 @@ def test_check_outputs_finds_stale_missing_and_error_outputs(tmp_path):
     assert check_outputs.problems(write_nb(tmp_path / '04_y.ipynb', [fresh]), is_chapter=True) == []
 
 
+def test_check_outputs_fails_stderr_progress_bars_and_machine_paths(tmp_path):
+    "What a reader should not see fails the check; run_notebooks leaves stderr out of a run."
+    def ran(src, outs):
+        cell = code(src, outs)
+        cell['metadata'] = {'petite_llm': {'source_hash': nbtools.source_hash(cell)}}
+        return cell
+    err = stream('max_model_len lowered\n')
+    err['name'] = 'stderr'
+    cells = [ran('warn()', [err]), ran('bar()', [stream('\rloading: 50%|#    | 1/2\n')]),
+             ran('where()', [stream('/tmp/pytest-of-root/x/model.gguf\n')]),
+             ran('fine()', [stream('model.gguf, 3 of 4 tensors\n')])]
+    msgs = check_outputs.problems(write_nb(tmp_path / '09_n.ipynb', cells), is_chapter=True)
+    assert len(msgs) == 3, msgs
+    assert 'cell 0' in msgs[0] and 'stderr' in msgs[0]
+    assert 'cell 1' in msgs[1] and 'a progress bar' in msgs[1]
+    assert 'cell 2' in msgs[2] and 'a path of the machine' in msgs[2]
+    nb = write_nb(tmp_path / '10_run.ipynb', [
+        md('# Run'), code('import sys; print("out"); print("log", file=sys.stderr)')])
+    subprocess.run(RUN_NOTEBOOKS + [str(nb)], check=True, cwd=ROOT, capture_output=True)
+    outs = json.loads(nb.read_text())['cells'][1]['outputs']
+    assert [(o['name'], ''.join(o['text'])) for o in outs] == [('stdout', 'out\n')]
+    assert check_outputs.problems(nb, is_chapter=True) == []
+
+
 def test_check_outputs_fails_a_chapter_never_built(tmp_path):
     nb = write_nb(tmp_path / '05_z.ipynb', [md('# Z'), code('x = 1')])
     assert 'never built' in check_outputs.problems(nb, is_chapter=True)[0]

@@ -6,7 +6,9 @@
   (the cell was edited after its output was saved), or
 - a code cell that `make book` ran (it has a hash) was edited since, even if it prints nothing, or
 - a chapter notebook with cells to run has no executed cell at all (the book was never built), or
-- a saved output is an error (a traceback would show on the site).
+- a saved output is an error (a traceback would show on the site), or shows what a reader
+  should not see: stderr (warnings, log lines, progress bars), a progress bar, or a path of the
+  machine that ran it (tools/run_notebooks.py leaves stderr out; print paths relative to the repo).
 Fix: `make book` (add FLAGS="slow" or FLAGS="gpu" for flagged cells), or clear the stale outputs.
 """
 from __future__ import annotations
@@ -16,8 +18,8 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from nbtools import (NBS, ROOT, chapters, read_nb, saved_hash, skipped_by,  # noqa: E402
-                     source, source_hash)
+from nbtools import (NBS, ROOT, chapters, noise, read_nb, saved_hash,  # noqa: E402
+                     skipped_by, source, source_hash)
 
 
 def problems(path: Path, is_chapter: bool) -> list[str]:
@@ -34,6 +36,8 @@ def problems(path: Path, is_chapter: bool) -> list[str]:
             executed += 1
         if any(o.get('output_type') == 'error' for o in outs):
             res.append(f'{where} has an error saved as its output')
+        for why in dict.fromkeys(w for o in outs for w in noise(o)):
+            res.append(f'{where} shows {why}')
         if h is None and outs:
             flag = skipped_by(cell)
             hint = ''
@@ -66,7 +70,7 @@ def main(argv=None) -> int:
     for m in bad:
         print(m)
     if bad:
-        print(f'\n{len(bad)} stale or missing saved outputs in nbs/. Run `make book` '
+        print(f'\n{len(bad)} problems with saved outputs in nbs/. Run `make book` '
               '(FLAGS="slow" / FLAGS="gpu" for flagged cells) and commit the notebooks.')
         return 1
     print(f'saved outputs are fresh in {len(nbs)} notebooks')

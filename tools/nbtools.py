@@ -17,6 +17,35 @@ _directive_line = re.compile(r'^\s*#\s*\|')
 _chapter_name = re.compile(r'^\d+_.+\.ipynb$')
 
 
+# what a saved output must not show: the machine that ran it, or a progress bar redrawn in place
+_machine_path = re.compile(r'/tmp/|/work/|/root/|/home/|/Users/|site-packages|pytest-of-')
+_progress_bar = re.compile(r'\r|\d+%\|')
+
+
+def output_text(output: dict) -> str:
+    """The text an output shows: a stream's, or a result's text/plain."""
+    text = output.get('text', output.get('data', {}).get('text/plain', ''))
+    return ''.join(text) if isinstance(text, list) else text
+
+
+def noise(output: dict) -> list[str]:
+    """Why a saved output does not belong in the book: stderr, a progress bar, a machine path."""
+    text, why = output_text(output), []
+    if output.get('output_type') == 'stream' and output.get('name') == 'stderr':
+        why.append('stderr (a warning, a log line or a progress bar)')
+    if _progress_bar.search(text):
+        why.append('a progress bar')
+    if _machine_path.search(text):
+        why.append('a path of the machine that ran it (print paths relative to the repository)')
+    return why
+
+
+def without_stderr(outputs: list[dict]) -> list[dict]:
+    """The outputs a reader sees: stdout, results and pictures; stderr (logs, bars) left out."""
+    return [o for o in outputs if not (o.get('output_type') == 'stream'
+                                       and o.get('name') == 'stderr')]
+
+
 def settings() -> configparser.SectionProxy:
     """The [DEFAULT] section of settings.ini."""
     cfg = configparser.ConfigParser(delimiters=['='])

@@ -6,7 +6,8 @@ Each notebook runs in its own fresh Python process, in-process through execnb's 
 measured on a GPU survives a CPU build; `--flags slow` (or `--flags "slow gpu"`) runs them too.
 With `--only-flagged` every cell still runs, but only the flagged ones get new outputs: a GPU
 machine records its figures without replacing the CPU build's (`--flags gpu --only-flagged`).
-Every cell that runs gets its new outputs (or none) and
+Every cell that runs gets its new outputs (or none; stderr, where warnings, log lines and
+progress bars go, is left out of what is saved) and
 `metadata.petite_llm.source_hash = sha256(source)`, which tools/check_outputs.py compares with
 the source to find outputs older than their cell.
 A notebook whose cell raises is not written: the traceback and the cell are printed instead.
@@ -22,7 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from nbtools import (HASH_KEY, NBS, ROOT, directives, settings, skipped_by,  # noqa: E402
-                     source_hash, test_flags)
+                     source_hash, test_flags, without_stderr)
 
 
 def run_one(path: Path, run_flags: set[str], only_flagged: bool = False) -> int:
@@ -59,7 +60,8 @@ def run_one(path: Path, run_flags: set[str], only_flagged: bool = False) -> int:
         ran += 1
         if only_flagged and not run_flags & set(directives(cell)):
             continue                  # ran for the state it leaves; its saved outputs stay
-        cell['outputs'] = [dict(o) for o in outs]
+        # the reader's view: no log lines or progress bars (a test or a terminal shows those)
+        cell['outputs'] = without_stderr([dict(o) for o in outs])
         cell['execution_count'] = None
         cell.setdefault('metadata', {})[HASH_KEY] = {'source_hash': source_hash(cell)}
         if time.time() - t0 > 30 and not skipped_by(cell):
@@ -117,7 +119,9 @@ def main(argv=None) -> int:
             cmd += ['--flags', ' '.join(sorted(flags))]
         if args.only_flagged:
             cmd.append('--only-flagged')
-        if subprocess.call(cmd, cwd=ROOT) != 0:
+        # progress bars off for transformers and the hub (they would only be left out)
+        env = {**os.environ, 'HF_HUB_DISABLE_PROGRESS_BARS': '1'}
+        if subprocess.call(cmd, cwd=ROOT, env=env) != 0:
             failed.append(Path(nb).name)
     print(f'{len(nbs) - len(failed)} notebooks executed and saved, {len(failed)} failed'
           + (f': {", ".join(failed)}' if failed else ''))
