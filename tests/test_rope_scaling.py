@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from petite_llm import LLM, SamplingParams
+from petite_llm.engine.triton_backend import FusedModelBody
 from petite_llm.model.config import ModelConfig
 from petite_llm.model.qwen3 import Qwen3ForCausalLM
 from petite_llm.model.weights import load_model, permute_qk
@@ -123,9 +124,11 @@ def test_scaling_changes_the_logits(checkpoints):
 
 
 def _engine_greedy(path, prompts_, max_tokens, **options):
+    "The engine's greedy tokens for `prompts_`, generated together, and the engine's runner."
     llm = LLM(path, dtype=torch.float64, block_size=4, kv_cache_memory=2**22, **options)
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    return [out.token_ids for out in llm.generate(prompts_, params, use_tqdm=False)]
+    outs = llm.generate(prompts_, params, use_tqdm=False)
+    return [out.token_ids for out in outs], llm.engine.runner
 
 
 @pytest.mark.parametrize('name', ['qwen3-yarn', 'llama-llama3', 'llama-dynamic'])
@@ -136,7 +139,7 @@ def test_engine_greedy_equals_transformers(checkpoints, name, options):
     path, hf_model = checkpoints[name]
     batch = prompts(BASE['vocab_size'], LONG, seed=7)
     # 8 tokens: the longest prompt ends at dynamic's last position (2 * WINDOW)
-    ours = _engine_greedy(path, batch, 8, **options)
+    ours, _ = _engine_greedy(path, batch, 8, **options)
     assert ours == [hf_reference(name, hf_model, p, 8)[1] for p in batch]
 
 
@@ -145,7 +148,9 @@ def test_triton_backend_greedy_equals_transformers(checkpoints, name):
     "The fused path's cos/sin table carries the scaling (Triton's interpreter on a CPU)."
     path, hf_model = checkpoints[name]
     batch = prompts(BASE['vocab_size'], [3, WINDOW + 2], seed=9)
-    ours = _engine_greedy(path, batch, 6, attention_backend='triton', max_num_batched_tokens=16)
+    ours, runner = _engine_greedy(path, batch, 6, attention_backend='triton',
+                                  max_num_batched_tokens=16)
+    assert isinstance(runner.body, FusedModelBody)           # the cos/sin table is in use
     assert ours == [hf_reference(name, hf_model, p, 6)[1] for p in batch]
 
 
