@@ -13,7 +13,8 @@ import torch
 from fastcore.basics import patch
 
 # %% auto #0
-__all__ = ['DTYPES', 'SUPPORTED_MODEL_TYPES', 'parse_dtype', 'ModelConfig', 'resolve_device', 'read_gguf_metadata']
+__all__ = ['DTYPES', 'SUPPORTED_MODEL_TYPES', 'ROPE_SCALING_KEYS', 'parse_dtype', 'ModelConfig', 'resolve_device',
+           'read_gguf_metadata']
 
 # %% ../../nbs/00_config.ipynb #85d1b4f4
 # Every spelling of a dtype a user, a config.json or a command line may use, in one table
@@ -47,6 +48,7 @@ class ModelConfig:
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     max_position_embeddings: int = 32768
+    rope_scaling: dict | None = None # rope_type and its parameters (chapter 02); None: plain RoPE
     tie_word_embeddings: bool = False
     attention_bias: bool = False     # q/k/v projections carry a bias (qwen2)
     qk_norm: bool = False            # RMSNorm per head on q and k before RoPE (qwen3)
@@ -101,25 +103,46 @@ def resolve_device(device: str | torch.device | None = None) -> torch.device:
 _MOE_KEYS = ('num_experts', 'num_local_experts', 'n_routed_experts', 'num_experts_per_tok',
              'moe_intermediate_size')
 
+# the RoPE scalings chapter 02 implements, and the parameters each cannot do without
+ROPE_SCALING_KEYS = {'linear': ('factor',), 'dynamic': ('factor',), 'yarn': (),
+                     'llama3': ('factor', 'low_freq_factor', 'high_freq_factor')}
+
 def _rope_theta(config_dict: dict) -> float:
-    "The RoPE base from either config format, rejecting any rope scaling."
+    "The RoPE base from either config format."
     rope_parameters = config_dict.get('rope_parameters')
-    for key, scaling in (('rope_scaling', config_dict.get('rope_scaling')),
-                         ('rope_parameters', rope_parameters)):
-        if scaling is None:
-            continue
-        if not isinstance(scaling, dict):
-            raise ValueError(f"{key}={scaling!r} is not understood "
-                             "(expected a dict with rope_type 'default')")
-        kind = scaling.get('rope_type', scaling.get('type', 'default'))
-        if kind != 'default':
-            raise ValueError(f"{key} with rope_type={kind!r} is not implemented "
-                             "(only plain RoPE, rope_type 'default')")
     if config_dict.get('rope_theta') is not None:
         return float(config_dict['rope_theta'])
     if rope_parameters and rope_parameters.get('rope_theta') is not None:
         return float(rope_parameters['rope_theta'])
     return 10000.0
+
+def _rope_scaling(config_dict: dict) -> dict | None:
+    "`rope_scaling` or `rope_parameters` as {'rope_type': …, its parameters}; None: plain RoPE."
+    key = 'rope_scaling' if config_dict.get('rope_scaling') else 'rope_parameters'
+    scaling = config_dict.get(key)
+    if scaling is None:
+        return None
+    if not isinstance(scaling, dict):
+        raise ValueError(f"{key}={scaling!r} is not understood (expected a dict with a rope_type)")
+    rope_type = scaling.get('rope_type', scaling.get('type', 'default'))
+    if rope_type == 'default':
+        return None
+    if rope_type not in ROPE_SCALING_KEYS:
+        raise ValueError(f"{key} with rope_type={rope_type!r} is not implemented; petite_llm "
+                         f"runs 'default' and {tuple(ROPE_SCALING_KEYS)}")
+    missing = [k for k in ROPE_SCALING_KEYS[rope_type] if scaling.get(k) is None]
+    if missing:
+        raise ValueError(f"{key} with rope_type={rope_type!r} lacks {missing}")
+    params = {k: v for k, v in scaling.items() if k not in ('type', 'rope_type', 'rope_theta')}
+    max_position = config_dict.get('max_position_embeddings', 32768)
+    if rope_type == 'dynamic':       # transformers grows the base past max_position_embeddings
+        params['original_max_position_embeddings'] = max_position
+    if rope_type in ('yarn', 'llama3'):
+        params.setdefault('original_max_position_embeddings',
+                          config_dict.get('original_max_position_embeddings', max_position))
+    if rope_type == 'yarn' and params.get('factor') is None:
+        params['factor'] = max_position / params['original_max_position_embeddings']
+    return {'rope_type': rope_type} | params
 
 def _check_unimplemented(config_dict: dict):
     "Raise ValueError naming the first config field that asks for something we do not implement."
@@ -152,6 +175,10 @@ def from_dict(cls: ModelConfig, config_dict: dict) -> ModelConfig:
                          f"petite_llm runs {SUPPORTED_MODEL_TYPES}")
     _check_unimplemented(config_dict)
     n_heads = config_dict['num_attention_heads']
+    rope_scaling = _rope_scaling(config_dict)
+    max_position = get('max_position_embeddings', 32768)
+    if rope_scaling and rope_scaling['rope_type'] == 'dynamic':
+        max_position = int(max_position * rope_scaling['factor'])
     return cls(model_type=model_type,
                vocab_size=config_dict['vocab_size'],
                hidden_size=config_dict['hidden_size'],
@@ -162,7 +189,8 @@ def from_dict(cls: ModelConfig, config_dict: dict) -> ModelConfig:
                head_dim=get('head_dim') or config_dict['hidden_size'] // n_heads,
                rms_norm_eps=float(get('rms_norm_eps', 1e-6)),
                rope_theta=_rope_theta(config_dict),
-               max_position_embeddings=get('max_position_embeddings', 32768),
+               max_position_embeddings=max_position,
+               rope_scaling=rope_scaling,
                tie_word_embeddings=bool(get('tie_word_embeddings', False)),
                attention_bias=(model_type == 'qwen2'),
                qk_norm=(model_type == 'qwen3'),
@@ -193,10 +221,46 @@ def read_gguf_metadata(path) -> dict[str, Any]:
     return _gguf_fields(_open_gguf(path))
 
 # %% ../../nbs/00_config.ipynb #e0f7df53
+_GGUF_YARN_UNREAD = ('yarn_log_multiplier', 'yarn_ext_factor', 'yarn_attn_factor')
+
+def _gguf_rope_scaling(meta: dict, arch: str, rope_freqs: list[float] | None) -> dict | None:
+    "A GGUF's RoPE scaling from `{arch}.rope.scaling.*`, or Llama 3's divisors (`rope_freqs`)."
+    def get(key, default=None):
+        "The header's value of `{arch}.rope.scaling.{key}`."
+        return meta.get(f'{arch}.rope.scaling.{key}', default)
+    kind = get('type') or 'none'
+    if kind not in ('none', 'linear', 'yarn'):
+        raise ValueError(f"GGUF key {arch}.rope.scaling.type={kind!r} is not implemented "
+                         "(petite_llm reads none, linear and yarn)")
+    if rope_freqs is not None and kind != 'none':
+        raise ValueError(f"GGUF has both rope_freqs and {arch}.rope.scaling.type={kind!r}")
+    if rope_freqs is not None:
+        return {'rope_type': 'llama3', 'freq_factors': list(rope_freqs)}
+    if kind == 'none':
+        return None
+    for key in _GGUF_YARN_UNREAD:
+        if get(key) is not None:
+            raise ValueError(f"GGUF key {arch}.rope.scaling.{key} is not implemented")
+    if get('factor') is None:
+        raise ValueError(f"GGUF key {arch}.rope.scaling.factor is missing for {kind!r}")
+    scaling = {'rope_type': kind, 'factor': float(get('factor'))}
+    if kind == 'yarn':
+        original = get('original_context_length', meta.get(f'{arch}.context_length'))
+        scaling |= {'original_max_position_embeddings': original,
+                    'attn_factor': float(get('attn_factor', 1.0))}
+        scaling |= {name: float(get(f'yarn_{name}')) for name in ('beta_fast', 'beta_slow')
+                    if get(f'yarn_{name}') is not None}
+    return scaling
+
+def _gguf_rope_freqs(reader) -> list[float] | None:
+    "llama.cpp's per-pair RoPE divisors, the `rope_freqs.weight` tensor, if the GGUF has it."
+    tensor = next((t for t in reader.tensors if t.name == 'rope_freqs.weight'), None)
+    return None if tensor is None else [float(x) for x in tensor.data]
+
 @patch(cls_method=True)
-def from_gguf_metadata(cls: ModelConfig, meta: dict,
-                       tie_word_embeddings: bool) -> ModelConfig:
-    "Build a ModelConfig from a GGUF header; tying comes from the tensor names."
+def from_gguf_metadata(cls: ModelConfig, meta: dict, tie_word_embeddings: bool,
+                       rope_freqs: list[float] | None = None) -> ModelConfig:
+    "Build a ModelConfig from a GGUF header; tying and `rope_freqs` come from its tensors."
     arch = meta.get('general.architecture')
     if arch not in SUPPORTED_MODEL_TYPES:
         raise ValueError(f"GGUF general.architecture={arch!r} is not supported; "
@@ -207,10 +271,6 @@ def from_gguf_metadata(cls: ModelConfig, meta: dict,
     for key in ('expert_count', 'attention.sliding_window'):
         if get(key):
             raise ValueError(f"GGUF key {arch}.{key}={get(key)!r} is not implemented")
-    scaling = get('rope.scaling.type', 'none')
-    if scaling not in ('none', None):
-        raise ValueError(f"GGUF key {arch}.rope.scaling.type={scaling!r} is not implemented "
-                         "(only plain RoPE)")
     hidden, n_heads = get('embedding_length'), get('attention.head_count')
     eos = meta.get('tokenizer.ggml.eos_token_id')
     return cls(model_type=arch,
@@ -224,6 +284,7 @@ def from_gguf_metadata(cls: ModelConfig, meta: dict,
                rms_norm_eps=float(get('attention.layer_norm_rms_epsilon', 1e-6)),
                rope_theta=float(get('rope.freq_base', 10000.0)),
                max_position_embeddings=get('context_length', 32768),
+               rope_scaling=_gguf_rope_scaling(meta, arch, rope_freqs),
                tie_word_embeddings=bool(tie_word_embeddings),
                attention_bias=(arch == 'qwen2'),
                qk_norm=(arch == 'qwen3'),
@@ -240,7 +301,8 @@ def from_pretrained(cls: ModelConfig, path) -> ModelConfig:
         reader = _open_gguf(path)
         names = {t.name for t in reader.tensors}
         return cls.from_gguf_metadata(_gguf_fields(reader),
-                                      tie_word_embeddings='output.weight' not in names)
+                                      tie_word_embeddings='output.weight' not in names,
+                                      rope_freqs=_gguf_rope_freqs(reader))
     cfg_file = path/'config.json' if path.is_dir() else path
     if not cfg_file.is_file():
         raise ValueError(f"no config.json at {cfg_file}; "

@@ -13,7 +13,7 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
-from .config import ModelConfig, _gguf_fields, _open_gguf
+from .config import ModelConfig, _gguf_fields, _gguf_rope_freqs, _open_gguf
 from .qwen3 import Qwen3ForCausalLM
 
 # %% auto #0
@@ -302,6 +302,8 @@ def gguf_tensors(reader, config: ModelConfig) -> Iterator[tuple[str, torch.Tenso
     "Each tensor of an open GGUF as (Hugging Face name, dequantized float32 [out, in]), unpermuted."
     from gguf.quants import dequantize
     for t in reader.tensors:
+        if t.name == 'rope_freqs.weight':                 # RoPE's divisors: config (chapter 00)
+            continue
         name = map_gguf_name(t.name)
         array = dequantize(t.data, t.tensor_type)          # numpy, dims already reversed: [out, in]
         if not array.flags.writeable:                      # F32/F16 views of the read-only map
@@ -325,7 +327,8 @@ def load_gguf(file, dtype: torch.dtype | None = None, device=None,
     "Our model from a GGUF file, every tensor dequantized (to float32 unless `dtype` is given)."
     reader = _open_gguf(file)
     tied = all(t.name != 'output.weight' for t in reader.tensors)
-    config = ModelConfig.from_gguf_metadata(_gguf_fields(reader), tie_word_embeddings=tied)
+    config = ModelConfig.from_gguf_metadata(_gguf_fields(reader), tie_word_embeddings=tied,
+                                            rope_freqs=_gguf_rope_freqs(reader))
     tensors = tqdm(gguf_tensors(reader, config), total=len(reader.tensors),
                    desc='dequantizing GGUF', unit='tensor', disable=not progress, leave=False)
     if shard is not None:          # as in load_safetensors

@@ -13,7 +13,7 @@ from torch import nn
 from ..config import ModelConfig
 from .linear import MergedLinear
 from .norm import RMSNorm
-from .rope import RotaryEmbedding
+from .rope import rotary_embedding
 
 # %% ../../../nbs/03_attention.ipynb #0eb9fb1b
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -45,8 +45,8 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(config.head_dim, eps=config.rms_norm_eps)
             self.k_norm = RMSNorm(config.head_dim, eps=config.rms_norm_eps)
         self.qk_norm = config.qk_norm
-        self.rotary_emb = RotaryEmbedding(config.head_dim, config.rope_theta,
-                                          config.max_position_embeddings)
+        self.rotary_emb = rotary_embedding(config.head_dim, config.rope_theta,
+                                           config.max_position_embeddings, config.rope_scaling)
         self.kv_cache = None                               # (k_cache, v_cache), set by the engine
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
