@@ -1,5 +1,6 @@
 """The petite-llm command: the demo answers, --help works, bad arguments exit 2 with a message."""
 import io
+import json
 import os
 import signal
 import subprocess
@@ -379,3 +380,21 @@ def test_top_unreachable_server_is_a_clear_error():
     assert code == 1
     assert 'petite-llm top: error: cannot read http://127.0.0.1:1/metrics' in err
     assert err.count('\n') == 1 and 'Traceback' not in err
+
+
+def test_json_schema_and_regex_shape_the_answer(tmp_path):
+    "--json-schema FILE: JSON that follows it; --regex: text it matches; not both; no file: exit 2."
+    schema = tmp_path / 'city.json'
+    schema.write_text(json.dumps({'type': 'object', 'required': ['city'],
+                                  'properties': {'city': {'type': 'string'}}}))
+    code, out, err = run(['generate', '--chat', '--temperature', '0', '--max-tokens', '30',
+                          '--json-schema', str(schema), 'What is the capital of France?'])
+    assert code == 0, err
+    assert isinstance(json.loads(out)['city'], str)
+    code, out, err = run(['generate', '--temperature', '0', '--max-tokens', '8',
+                          '--regex', '(yes|no)', 'Is water wet?'])
+    assert code == 0 and out.strip() in ('yes', 'no'), (out, err)
+    code, _, err = run(['generate', '--json-schema', str(schema), '--regex', 'a', 'hi'])
+    assert code == 2 and 'not allowed with' in err
+    code, _, err = run(['generate', '--json-schema', str(tmp_path / 'none.json'), 'hi'])
+    assert code == 2 and '--json-schema' in err

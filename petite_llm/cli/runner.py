@@ -5,7 +5,7 @@
 from __future__ import annotations
 
 # %% auto 0
-__all__ = ['default_model', 'resolve_device_dtype', 'add_model_args', 'engine_config', 'add_sampling_args', 'sampling_params', 'engine_steps', 'Runner']
+__all__ = ['default_model', 'resolve_device_dtype', 'add_model_args', 'engine_config', 'add_sampling_args', 'structured_outputs', 'sampling_params', 'engine_steps', 'Runner']
 
 # %% ../../nbs/90_cli.ipynb #c6f8cb6d
 # petite_llm.cli.runner: what the commands share: arguments and the Runner
@@ -105,6 +105,22 @@ def add_sampling_args(p: argparse.ArgumentParser):
                    help='stop when the text contains TEXT (repeatable)')
     g.add_argument('--ignore-eos', action='store_true',
                    help='keep going past the end-of-sequence token')
+    shape = g.add_mutually_exclusive_group()
+    shape.add_argument('--json-schema', metavar='FILE',
+                       help='answer in JSON that follows the JSON schema in FILE (chapter 21)')
+    shape.add_argument('--regex', help='answer with text the regex matches whole (chapter 21)')
+
+def structured_outputs(args, parser: argparse.ArgumentParser) -> dict | None:
+    "--json-schema FILE or --regex as SamplingParams.structured_outputs; None for neither."
+    if args.regex is not None:
+        return {'regex': args.regex}
+    if args.json_schema is None:
+        return None
+    try:
+        with open(args.json_schema) as f:
+            return {'json': f.read()}
+    except OSError as e:
+        parser.error(f"--json-schema: {e}")
 
 def sampling_params(args, generation_config: dict | None, parser: argparse.ArgumentParser,
                     **extra) -> SamplingParams:
@@ -115,7 +131,8 @@ def sampling_params(args, generation_config: dict | None, parser: argparse.Argum
             top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
             repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
             frequency_penalty=args.frequency_penalty, seed=args.seed, stop=args.stop,
-            ignore_eos=args.ignore_eos or None, **extra)
+            ignore_eos=args.ignore_eos or None,
+            structured_outputs=structured_outputs(args, parser), **extra)
     except ValueError as e:
         parser.error(str(e).replace('SamplingParams.', '--').replace('_', '-'))
 

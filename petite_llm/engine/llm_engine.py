@@ -25,6 +25,7 @@ from ..model.sampling import SamplingParams
 from .scheduler import Scheduler, Sequence
 from .sizing import EngineSizes, size_engine
 from .speculative import SpeculativeConfig, Speculator, load_draft_model
+from .structured import StructuredOutputs, advance
 from ..model.tokenizer import Tokenizer, as_list
 
 # one log for the engine's modules (sizing, loading, the workers log to it too)
@@ -104,6 +105,7 @@ class LLMEngine:
         self._busy = 0.0
         self.spec_stats = SpecDecodingStats()      # over every request
         self._in_flight: StepInFlight | None = None   # launched, not resolved (async scheduling)
+        self.structured: StructuredOutputs | None = None   # the first grammar makes it (ch. 21)
 
     def _attention_backend(self) -> AttentionBackend:
         "A new backend of the configured kind for this engine's device."
@@ -189,12 +191,16 @@ class LLMEngine:
                                  group_id=group_id))
         try:
             for seq in seqs:
-                self.scheduler.add(seq)
+                self.scheduler.check(seq)
+            if params.structured_outputs is not None:
+                # chapter 21: held until its grammar compiles (ValueError if it cannot)
+                self.structured = self.structured or StructuredOutputs.for_engine(self)
+                self.structured.add(seqs, params.structured_outputs)
         except ValueError as e:
-            for seq in seqs:
-                self.scheduler.abort(seq.seq_id)
             message = str(e).replace(f'request {seqs[0].seq_id}:', f'request {request_id!r}:')
             raise ValueError(message) from None
+        for seq in seqs if params.structured_outputs is None else []:
+            self.scheduler.add(seq)
         self.output_processor.add_request(request_id, prompt, ids, seqs, params)
         return request_id
 
@@ -205,6 +211,8 @@ class LLMEngine:
             return False
         for seq_id in seq_ids:
             self.scheduler.abort(seq_id)
+            if self.structured is not None:
+                self.structured.abort(seq_id)      # if it still waits for its grammar
         return True
 
     def has_unfinished_requests(self) -> bool:
@@ -216,6 +224,8 @@ class LLMEngine:
         # serial: launch a step and resolve it. Async scheduling: launch the next step, then
         # resolve the one in flight, unless a sampler reads its tokens (then that one first)
         start = time.perf_counter()
+        if self.structured is not None:
+            self.structured.admit(self.scheduler)   # requests whose grammar compiled (chapter 21)
         prev, self._in_flight = self._in_flight, None
         overlap = self.config.async_scheduling and self._can_overlap()
         if prev is not None and not overlap:
@@ -240,6 +250,9 @@ class LLMEngine:
         scheduled, result = step.scheduled, self.runner.resolve(step)
         num_tokens = sum(len(seq.token_ids) for seq in result.seqs)
         self.scheduler.update(scheduled, result.token_ids)
+        if self.structured is not None:           # chapter 21: a grammar that ended stops its text
+            for seq in advance(result.seqs, result.token_ids):
+                self.scheduler.finish(seq.seq_id, 'stop', seq.token_ids[-1])
         self._generated_tokens += sum(len(seq.token_ids) for seq in result.seqs) - num_tokens
         for token_ids, num_drafts in zip(result.token_ids, result.num_draft_tokens):
             if num_drafts:

@@ -23,6 +23,7 @@ from .backends import AttentionBackend, AttentionMetadata, TorchAttentionBackend
 from .paging import allocate_kv_cache, cdiv
 from ..model.sampling import Sampler
 from .scheduler import SchedulerOutput, Sequence
+from .structured import mask_logits
 
 # %% ../../nbs/14_engine.ipynb #f0c44ed1
 @dataclass
@@ -129,12 +130,16 @@ class ModelRunner:
                                 output=self.speculator.sample(scheduled, logits, self.sampler))
         params = [seq.sampling_params for seq in seqs]
         if any(p.reads_tokens for p in params):
-            # penalties and logprobs read the tokens themselves: none is pending (LLMEngine waits)
-            sampled = self.sampler(logits, params, [seq.prompt_token_ids for seq in seqs],
-                                   [seq.output_token_ids for seq in seqs],
-                                   [seq.stop_ids for seq in seqs])
-            output = ModelRunnerOutput(seqs, [[t] for t in sampled.token_ids],
-                                       [[lp] for lp in sampled.logprobs], logits, [0] * len(seqs))
+            # penalties, grammars and logprobs read the tokens: none is pending (LLMEngine waits)
+            output_ids = [seq.output_token_ids for seq in seqs]
+            # chapter 21: a constrained row keeps only the tokens its grammar allows
+            probs = self.sampler.probs(mask_logits(logits, seqs), params,
+                                       [seq.prompt_token_ids for seq in seqs], output_ids,
+                                       [seq.stop_ids for seq in seqs])
+            token_ids = self.sampler.sample(probs, params, output_ids).tolist()   # [S]
+            logprobs = self.sampler.logprobs(logits, params, token_ids)   # of the raw logits
+            output = ModelRunnerOutput(seqs, [[t] for t in token_ids],
+                                       [[lp] for lp in logprobs], logits, [0] * len(seqs))
             return StepInFlight(scheduled, seqs, logits, output=output)
         # each one's output position: its tokens out and pending, less the one it samples now
         num_out = [seq.num_output_tokens + seq.num_pending - 1 for seq in seqs]

@@ -42,6 +42,7 @@ class Sequence:
         self.spec_token_ids: list[int] = []   # drafts its next decode verifies (chapter 15)
         self.num_pending = 0           # sampled by a scheduled step, not appended yet
         self.stop_ids: set[int] = set()   # eos and stop token ids, set by Scheduler.add
+        self.grammar = None            # its grammar's matcher, if constrained (chapter 21)
         self.arrival = -1              # set by Scheduler.add: first come, first served
         self.status = SequenceStatus.WAITING
         self.finish_reason: str | None = None       # 'stop' | 'length' | 'abort'
@@ -171,8 +172,8 @@ class Scheduler:
         self._num_scheduled_tokens = 0        # in the batch that schedule() is building
         self._arrivals = itertools.count()
 
-    def add(self, seq: Sequence):
-        "Queue a request; refuse one that could never fit max_model_len or the whole KV pool."
+    def check(self, seq: Sequence):
+        "Refuse (ValueError) a request that could never fit max_model_len or the whole KV pool."
         bm, prompt_len, params = self.block_manager, seq.num_tokens, seq.sampling_params
         if seq.seq_id in self.seqs:
             raise ValueError(f"a request with id {seq.seq_id} is already queued")
@@ -188,8 +189,13 @@ class Scheduler:
                              f"needs {num_blocks_needed} KV blocks but the whole pool has "
                              f"{bm.num_blocks}; lower max_tokens, shorten the prompt, "
                              "or give the KV cache more memory")
+
+    def add(self, seq: Sequence):
+        "Queue a request, unless `check` refuses it."
+        self.check(seq)
         seq.arrival, seq.status = next(self._arrivals), SequenceStatus.WAITING
-        seq.stop_ids = params.stop_token_set(self.eos_token_ids)   # built once, read per token
+        # built once, read per token
+        seq.stop_ids = seq.sampling_params.stop_token_set(self.eos_token_ids)
         bisect.insort(self.waiting, seq, key=lambda s: s.urgency)
         self.seqs[seq.seq_id] = seq
 

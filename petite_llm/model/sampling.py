@@ -4,15 +4,16 @@
 
 # %% ../../nbs/08_sampling.ipynb #67ce0301
 from __future__ import annotations
+import json
 import math
 from dataclasses import dataclass, field, replace
 
 import torch
 
 # %% auto #0
-__all__ = ['OUTPUT_KINDS', 'SamplingParams', 'token_counts', 'apply_repetition_penalty', 'apply_penalties', 'apply_temperature',
-           'apply_top_k', 'apply_top_p', 'apply_min_p', 'seed_for', 'exponential_noise', 'draw', 'SamplerOutput',
-           'Sampler']
+__all__ = ['OUTPUT_KINDS', 'STRUCTURED_KINDS', 'StructuredOutputsParams', 'SamplingParams', 'token_counts',
+           'apply_repetition_penalty', 'apply_penalties', 'apply_temperature', 'apply_top_k', 'apply_top_p',
+           'apply_min_p', 'seed_for', 'exponential_noise', 'draw', 'SamplerOutput', 'Sampler']
 
 # %% ../../nbs/08_sampling.ipynb #4c6f200a
 OUTPUT_KINDS = ('cumulative', 'final_only')   # vLLM's RequestOutputKind, less DELTA
@@ -32,6 +33,59 @@ def _integer(name, value, valid, ok) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or not ok(value):
         _fail(name, value, valid)
     return value
+
+# %% ../../nbs/08_sampling.ipynb #so080002
+STRUCTURED_KINDS = ('json', 'json_object', 'regex', 'choice', 'grammar')
+
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    "What a request's output must be (vLLM's fields): set exactly one."
+    json: dict | str | None = None     # a JSON schema: a dict, or its text
+    json_object: bool = False          # any JSON object
+    regex: str | None = None           # text the regex matches in full
+    choice: list[str] | None = None    # exactly one of these strings
+    grammar: str | None = None         # an EBNF grammar (xgrammar's dialect) with a `root` rule
+
+    def __post_init__(self):
+        given = [k for k in STRUCTURED_KINDS if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            _fail('structured_outputs', given, f'exactly one of {STRUCTURED_KINDS}')
+        kind, value = given[0], getattr(self, given[0])
+        valid = {'json': (dict, str), 'json_object': bool, 'regex': str, 'grammar': str}
+        if kind == 'choice':
+            if not (isinstance(value, (list, tuple)) and value
+                    and all(isinstance(c, str) and c for c in value)):
+                _fail('structured_outputs.choice', value, 'a list of non-empty strings')
+            object.__setattr__(self, 'choice', list(value))
+        elif not isinstance(value, valid[kind]) or (isinstance(value, str) and not value):
+            _fail(f'structured_outputs.{kind}', value, f'{valid[kind]} (not empty)')
+        if kind == 'json' and isinstance(value, str):
+            try:
+                object.__setattr__(self, 'json', json.loads(value))
+            except ValueError as e:
+                _fail('structured_outputs.json', value, f'a JSON schema ({e})')
+
+    @property
+    def kind(self) -> str:
+        "Which of the five kinds this is."
+        return next(k for k in STRUCTURED_KINDS if getattr(self, k) not in (None, False))
+
+    @property
+    def key(self) -> tuple[str, str]:
+        "(kind, its spec as text): equal for equal specs, so a compiled grammar can be reused."
+        value = getattr(self, self.kind)
+        if self.kind in ('json', 'choice'):
+            value = json.dumps(value, sort_keys=True)
+        return self.kind, str(value)
+
+    @classmethod
+    def of(cls, value) -> StructuredOutputsParams | None:
+        "None, an instance, or a dict of its fields (a server request's JSON) as an instance."
+        if value is None or isinstance(value, cls):
+            return value
+        if not isinstance(value, dict) or set(value) - set(STRUCTURED_KINDS):
+            _fail('structured_outputs', value, f'a dict with one of the keys {STRUCTURED_KINDS}')
+        return cls(**value)
 
 # %% ../../nbs/08_sampling.ipynb #98e4e265
 @dataclass
@@ -55,6 +109,8 @@ class SamplingParams:
     skip_special_tokens: bool = True
     # what each step reports: the whole completion so far, or nothing until it ends
     output_kind: str = 'cumulative'   # 'cumulative' | 'final_only' (offline generate)
+    # JSON, a regex, a choice or a grammar the output must follow (chapter 21)
+    structured_outputs: StructuredOutputsParams | dict | None = None
 
     def __post_init__(self):
         self.n = _integer('n', self.n, 'an int >= 1', lambda v: v >= 1)
@@ -91,6 +147,10 @@ class SamplingParams:
             _integer('logprobs', self.logprobs, 'None or an int >= 0', lambda v: v >= 0)
         if self.output_kind not in OUTPUT_KINDS:
             _fail('output_kind', self.output_kind, f'one of {OUTPUT_KINDS}')
+        self.structured_outputs = StructuredOutputsParams.of(self.structured_outputs)
+        if self.structured_outputs is not None and self.min_tokens:
+            # a grammar that ends early would leave no token allowed
+            _fail('min_tokens', self.min_tokens, '0 with structured_outputs (the grammar ends it)')
 
     @property
     def greedy(self) -> bool:
@@ -99,10 +159,11 @@ class SamplingParams:
 
     @property
     def reads_tokens(self) -> bool:
-        "True when sampling reads the token values so far (penalties) or reports each (logprobs)."
+        "True when sampling reads the tokens (penalties, a grammar) or reports each (logprobs)."
         # otherwise only their count matters: seeded draws and min_tokens read the position
         return (self.repetition_penalty != 1.0 or self.presence_penalty != 0
-                or self.frequency_penalty != 0 or self.logprobs is not None)
+                or self.frequency_penalty != 0 or self.logprobs is not None
+                or self.structured_outputs is not None)
 
     def stop_token_set(self, eos_token_ids=()) -> set[int]:
         "The token ids that end this request: eos ids (unless `ignore_eos`) plus `stop_token_ids`."
