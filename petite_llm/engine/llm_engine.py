@@ -25,7 +25,6 @@ from ..model.sampling import SamplingParams
 from .scheduler import Scheduler, Sequence
 from .sizing import EngineSizes, size_engine
 from .speculative import SpeculativeConfig, Speculator, load_draft_model
-from .structured import StructuredOutputs, advance
 from ..model.tokenizer import Tokenizer, as_list
 
 # one log for the engine's modules (sizing, loading, the workers log to it too)
@@ -194,6 +193,7 @@ class LLMEngine:
                 self.scheduler.check(seq)
             if params.structured_outputs is not None:
                 # chapter 21: held until its grammar compiles (ValueError if it cannot)
+                from petite_llm.engine.structured import StructuredOutputs
                 self.structured = self.structured or StructuredOutputs.for_engine(self)
                 self.structured.add(seqs, params.structured_outputs)
         except ValueError as e:
@@ -251,6 +251,7 @@ class LLMEngine:
         num_tokens = sum(len(seq.token_ids) for seq in result.seqs)
         self.scheduler.update(scheduled, result.token_ids)
         if self.structured is not None:           # chapter 21: a grammar that ended stops its text
+            from petite_llm.engine.structured import advance
             for seq in advance(result.seqs, result.token_ids):
                 self.scheduler.finish(seq.seq_id, 'stop', seq.token_ids[-1])
         self._generated_tokens += sum(len(seq.token_ids) for seq in result.seqs) - num_tokens

@@ -23,7 +23,6 @@ from .backends import AttentionBackend, AttentionMetadata, TorchAttentionBackend
 from .paging import allocate_kv_cache, cdiv
 from ..model.sampling import Sampler
 from .scheduler import SchedulerOutput, Sequence
-from .structured import mask_logits
 
 # %% ../../nbs/14_engine.ipynb #f0c44ed1
 @dataclass
@@ -132,10 +131,14 @@ class ModelRunner:
         if any(p.reads_tokens for p in params):
             # penalties, grammars and logprobs read the tokens: none is pending (LLMEngine waits)
             output_ids = [seq.output_token_ids for seq in seqs]
-            # chapter 21: a constrained row keeps only the tokens its grammar allows
-            probs = self.sampler.probs(mask_logits(logits, seqs), params,
-                                       [seq.prompt_token_ids for seq in seqs], output_ids,
-                                       [seq.stop_ids for seq in seqs])
+            allowed = logits
+            if any(seq.grammar is not None for seq in seqs):
+                # chapter 21 (imported only when asked for): a constrained row keeps only the
+                # tokens its grammar allows
+                from petite_llm.engine.structured import mask_logits
+                allowed = mask_logits(logits, seqs)
+            probs = self.sampler.probs(allowed, params, [seq.prompt_token_ids for seq in seqs],
+                                       output_ids, [seq.stop_ids for seq in seqs])
             token_ids = self.sampler.sample(probs, params, output_ids).tolist()   # [S]
             logprobs = self.sampler.logprobs(logits, params, token_ids)   # of the raw logits
             output = ModelRunnerOutput(seqs, [[t] for t in token_ids],
