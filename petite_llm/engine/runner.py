@@ -223,7 +223,9 @@ def build_runner(model: nn.Module, config: EngineConfig, sizes: EngineSizes,
     backend = get_attention_backend(config.attention_backend, device, config.batch_invariant)
     runner = ModelRunner(model, sizes.num_blocks, config.block_size, backend,
                          compiled, speculator, workers)
-    if not config.enforce_eager and device.type == 'cuda' and backend.supports_cuda_graphs:
+    # a mixture-of-experts layer reads its per-expert token counts on the host: not capturable
+    capturable = backend.supports_cuda_graphs and not model.config.num_experts
+    if not config.enforce_eager and device.type == 'cuda' and capturable:
         runner.capture_cuda_graphs(sizes.max_num_seqs, sizes.max_model_len)
     return runner
 

@@ -12,7 +12,7 @@ from torch import nn
 from .config import ModelConfig
 from .layers.norm import RMSNorm
 from .layers.attention import Attention
-from .layers.mlp import MLP
+from .moe import make_mlp
 
 # %% ../../nbs/05_model.ipynb #505e6717
 class DecoderLayer(nn.Module):
@@ -22,7 +22,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.self_attn = Attention(config, layer_idx)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.mlp = MLP(config.hidden_size, config.intermediate_size)
+        self.mlp = make_mlp(config, layer_idx)    # dense, or experts (chapter 22)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
                 attn_metadata=None) -> torch.Tensor:

@@ -84,16 +84,28 @@ def checkpoint_files(folder) -> list[Path]:
 _FUSED = {'q_proj': ('qkv_proj', 0), 'k_proj': ('qkv_proj', 1), 'v_proj': ('qkv_proj', 2),
           'gate_proj': ('gate_up_proj', 0), 'up_proj': ('gate_up_proj', 1)}
 
-def map_hf_name(name: str) -> tuple[str, int | None]:
+# one expert's matrix -> (our stacked parameter, its part); the expert's number is the other half
+_EXPERT_PARTS = {'gate_proj': ('gate_up_proj', 0), 'up_proj': ('gate_up_proj', 1),
+                 'down_proj': ('down_proj', 0)}
+_EXPERT = re.compile(r'(.+\.experts)\.(\d+)\.(\w+_proj)\.weight')
+
+def map_hf_name(name: str) -> tuple[str, int | tuple[int, int] | None]:
     "A Hugging Face parameter name as (our parameter name, its shard in a fused parameter or None)."
+    if (match := _EXPERT.fullmatch(name)) and match[3] in _EXPERT_PARTS:
+        stacked, part = _EXPERT_PARTS[match[3]]
+        return f'{match[1]}.{stacked}', (int(match[2]), part)
     parts = name.split('.')                                 # [..., 'self_attn', 'q_proj', 'weight']
     if len(parts) < 2 or parts[-2] not in _FUSED: return name, None
     fused, shard = _FUSED[parts[-2]]
     return '.'.join([*parts[:-2], fused, parts[-1]]), shard
 
-def _hf_name(name: str, shard: int | None) -> str:
+def _hf_name(name: str, shard: int | tuple[int, int] | None) -> str:
     "The inverse of `map_hf_name`: the checkpoint name that fills `shard` of our parameter `name`."
     if shard is None: return name
+    if isinstance(shard, tuple):                            # (expert, part) of a stacked tensor
+        prefix, stacked = name.rsplit('.', 1)
+        proj = next(p for p, sp in _EXPERT_PARTS.items() if sp == (stacked, shard[1]))
+        return f'{prefix}.{shard[0]}.{proj}.weight'
     *prefix, fused, kind = name.split('.')
     module = next(m for m, fs in _FUSED.items() if fs == (fused, shard))
     return '.'.join([*prefix, module, kind])
@@ -101,13 +113,21 @@ def _hf_name(name: str, shard: int | None) -> str:
 # %% ../../nbs/06_weights.ipynb #8ef1d129
 _IGNORED = re.compile(r'.*\.rotary_emb\.inv_freq$')
 
-def _shard_rows(config: ModelConfig, name: str) -> list[int] | None:
-    "The row count of each shard of a fused parameter (q, k, v or gate, up); None if not fused."
+def _shards(config: ModelConfig, name: str, shape: torch.Size) -> dict | None:
+    "Each shard of a fused or stacked parameter and its checkpoint shape; None if it has none."
+    if name.endswith(('.experts.gate_up_proj', '.experts.down_proj')):   # [E, rows, cols]
+        num_experts, rows, cols = shape
+        parts = 2 if name.endswith('gate_up_proj') else 1
+        return {(e, p): (rows // parts, cols) for e in range(num_experts) for p in range(parts)}
     if '.qkv_proj.' in name:
-        return [config.q_size, config.kv_size, config.kv_size]
-    if '.gate_up_proj.' in name:
-        return [config.intermediate_size] * 2
-    return None
+        rows = [config.q_size, config.kv_size, config.kv_size]
+    elif '.shared_expert.gate_up_proj.' in name:
+        rows = [config.shared_expert_intermediate_size] * 2
+    elif '.gate_up_proj.' in name:
+        rows = [config.intermediate_size] * 2
+    else:
+        return None
+    return {shard: (size, *shape[1:]) for shard, size in enumerate(rows)}
 
 def _listing(names: list[str], limit: int = 20) -> str:
     "Names, comma-separated, cut after `limit`."
@@ -119,11 +139,9 @@ def load_weights(model: Qwen3ForCausalLM, tensors: Iterable[tuple[str, torch.Ten
     "Copy `(hf_name, tensor)` pairs into `model`; one error lists missing, unexpected, misshapen."
     config = model.config
     params = dict(model.named_parameters())   # a tied lm_head.weight appears once, as embed_tokens
-    # the (parameter, shard) pairs still to fill; shard None for an unfused parameter
-    todo = set()
-    for name in params:
-        rows = _shard_rows(config, name)
-        todo |= {(name, shard) for shard in (range(len(rows)) if rows else [None])}
+    shards = {name: _shards(config, name, p.shape) for name, p in params.items()}
+    # each parameter's shards still to fill; {None} for an unfused parameter
+    todo = {name: set(shards[name] or [None]) for name in params}
     unexpected, misshapen = [], []
     for hf_name, tensor in tensors:
         if _IGNORED.match(hf_name):
@@ -135,20 +153,21 @@ def load_weights(model: Qwen3ForCausalLM, tensors: Iterable[tuple[str, torch.Ten
             unexpected.append(hf_name)
             continue
         param = params[name]
-        if shard is None:
-            shape = tuple(param.shape)
-        else:
-            shape = (_shard_rows(config, name)[shard], *param.shape[1:])
+        shape = tuple(param.shape) if shard is None else shards[name].get(shard)
+        if shape is None:                                  # an expert the config does not have
+            unexpected.append(hf_name)
+            continue
         if tuple(tensor.shape) != shape:
             misshapen.append(f'{hf_name} {tuple(tensor.shape)} (expected {shape})')
             continue
         tensor = tensor.to(device=param.device, dtype=param.dtype)
-        if shard is None:
+        if shard is None:                                  # whole: every shard filled at once
             param.copy_(tensor)
+            todo[name].clear()
         else:
             param.weight_loader(param, tensor, shard)
-        todo.discard((name, shard))
-    missing = sorted(_hf_name(name, shard) for name, shard in todo)
+            todo[name].discard(shard)
+    missing = sorted(_hf_name(name, shard) for name, left in todo.items() for shard in left)
     if missing or unexpected or misshapen:
         kinds = (('missing', missing), ('unexpected', sorted(unexpected)),
                  ('shape mismatch', misshapen))

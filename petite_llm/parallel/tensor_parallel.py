@@ -31,6 +31,8 @@ def _split_problems(config: ModelConfig, size: int) -> list[str]:
     if (kv_heads % size if kv_heads >= size else size % kv_heads):
         problems.append(f"num_key_value_heads={kv_heads} neither is a multiple of {size} "
                         f"nor divides it")
+    if config.num_experts and size > 1:
+        problems.append("its mixture-of-experts layers are not split across ranks")
     if config.intermediate_size % size:
         problems.append(f"intermediate_size={config.intermediate_size} is not a multiple of {size}")
     return problems

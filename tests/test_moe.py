@@ -1,0 +1,218 @@
+"""Mixture-of-experts parity with transformers 5.23.0 (chapter 22): Qwen3-MoE with and without
+`norm_topk_prob`, with `decoder_sparse_step=2` and with `mlp_only_layers`, and Qwen2-MoE with its
+shared expert. transformers writes each random checkpoint (`save_pretrained`, one tensor per
+expert); our loader stacks the experts. Compared in float64: logits to float64 rounding and greedy
+tokens equal, by the reference path and through the engine (chunked prefill, prefix caching,
+preemption, n-gram speculation, the Triton backend under the interpreter, whose MoE block stays the
+torch reference). No test downloads anything.
+"""
+import json
+
+import pytest
+import torch
+import transformers
+from safetensors.torch import save_file
+
+from petite_llm import LLM, SamplingParams
+from petite_llm.engine.paging import kv_bytes_per_block
+from petite_llm.engine.triton_backend import FusedModelBody
+from petite_llm.model.config import ModelConfig
+from petite_llm.model.moe import SparseMoeBlock
+from petite_llm.model.weights import load_model
+from petite_llm.parallel.tensor_parallel import check_tensor_parallel
+from test_parity import hf_greedy, hf_logits, ours_greedy, ours_logits, prompts
+
+torch.set_num_threads(1)
+
+VOCAB = 128
+BASE = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=4,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=8,
+            num_experts_per_tok=3, moe_intermediate_size=16, max_position_embeddings=1024)
+CASES = {
+    'qwen3-norm': (transformers.Qwen3MoeConfig, dict(norm_topk_prob=True)),
+    'qwen3-raw-step2': (transformers.Qwen3MoeConfig, dict(norm_topk_prob=False,
+                                                          decoder_sparse_step=2)),
+    'qwen3-mlp-only': (transformers.Qwen3MoeConfig, dict(norm_topk_prob=True,
+                                                         mlp_only_layers=[0, 2])),
+    'qwen2-shared': (transformers.Qwen2MoeConfig, dict(shared_expert_intermediate_size=24)),
+}
+
+
+def randomize_(model, seed):
+    """Unit-scale random weights: matrices (and each expert's) N(0, 1/fan_in), router rows N(0, 1)
+    so that routing differs from token to token, norms 1 ± 0.3, biases and embeddings N(0, 0.2²)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            r = torch.randn(p.shape, generator=g, dtype=torch.float64)
+            if name.endswith('norm.weight'):
+                r = 1 + 0.3 * r
+            elif name.endswith('.bias') or 'embed_tokens' in name:
+                r = 0.2 * r
+            elif not name.endswith('mlp.gate.weight'):
+                r = r / p.shape[-1] ** 0.5
+            p.copy_(r)
+
+
+@pytest.fixture(scope='module')
+def checkpoints(tmp_path_factory):
+    "{case: (folder, transformers model in float64)}, each written once by save_pretrained."
+    out = {}
+    for seed, (name, (cfg_cls, extra)) in enumerate(CASES.items()):
+        # sdpa: eager attention's softmax is float32 even in float64; eager experts: the loop
+        # (the default grouped product refuses float64)
+        hf_cfg = cfg_cls(**BASE, **extra, attn_implementation='sdpa')
+        hf = transformers.AutoModelForCausalLM.from_config(hf_cfg, experts_implementation='eager')
+        randomize_(hf, seed)
+        path = tmp_path_factory.mktemp(name)
+        hf.save_pretrained(path)
+        out[name] = path, hf.double().eval()
+    return out
+
+
+def sparse_layers(model):
+    "Which decoder layers of our model have experts."
+    return [i for i, layer in enumerate(model.model.layers) if isinstance(layer.mlp, SparseMoeBlock)]
+
+
+def hf_sparse_layers(hf):
+    "Which decoder layers of a transformers model have experts."
+    return [i for i, layer in enumerate(hf.model.layers) if hasattr(layer.mlp, 'experts')]
+
+
+@pytest.mark.parametrize('case', CASES)
+def test_logits_float64(checkpoints, case):
+    path, hf = checkpoints[case]
+    ours = load_model(path, dtype=torch.float64, progress=False)
+    assert sparse_layers(ours) == hf_sparse_layers(hf) != []
+    for ids in prompts(VOCAB, [1, 7, 33], seed=1):
+        a, b = ours_logits(ours, ids), hf_logits(hf, ids)
+        assert (a - b).abs().max().item() <= 1e-10 * b.abs().max().item()
+
+
+def test_the_cases_cover_what_they_claim(checkpoints):
+    "step 2 makes layers 1 and 3 sparse, mlp_only_layers keeps 0 and 2 dense; Qwen2 has a shared one."
+    assert hf_sparse_layers(checkpoints['qwen3-raw-step2'][1]) == [1, 3]
+    assert hf_sparse_layers(checkpoints['qwen3-mlp-only'][1]) == [1, 3]
+    assert hf_sparse_layers(checkpoints['qwen3-norm'][1]) == [0, 1, 2, 3]
+    ours = load_model(checkpoints['qwen2-shared'][0], dtype=torch.float64, progress=False)
+    assert all(ours.model.layers[i].mlp.shared_expert is not None for i in sparse_layers(ours))
+
+
+@pytest.mark.parametrize('case', CASES)
+def test_greedy_float64(checkpoints, case):
+    path, hf = checkpoints[case]
+    ours = load_model(path, dtype=torch.float64, progress=False)
+    for ids in prompts(VOCAB, [5, 12], seed=2):
+        assert ours_greedy(ours, ids, 12) == hf_greedy(hf, ids, 12)
+
+
+def test_norm_topk_prob_changes_the_output(checkpoints, tmp_path):
+    "Flipping norm_topk_prob in config.json alone changes the logits: the flag is read and used."
+    path, hf = checkpoints['qwen3-norm']
+    flipped = tmp_path/'flipped'
+    flipped.mkdir()
+    config = json.loads((path/'config.json').read_text()) | {'norm_topk_prob': False}
+    (flipped/'config.json').write_text(json.dumps(config))
+    (flipped/'model.safetensors').symlink_to(path/'model.safetensors')
+    ids = prompts(VOCAB, [9], seed=3)[0]
+    a = ours_logits(load_model(flipped, dtype=torch.float64, progress=False), ids)
+    assert (a - hf_logits(hf, ids)).abs().max().item() > 1e-3
+
+
+def test_stacked_checkpoint_loads(checkpoints, tmp_path):
+    "A checkpoint with transformers' in-memory names (experts already stacked) loads as well."
+    path, hf = checkpoints['qwen2-shared']
+    state = {k: v.contiguous() for k, v in hf.state_dict().items()}
+    assert any(k.endswith('mlp.experts.gate_up_proj') for k in state)
+    save_file(state, str(tmp_path/'model.safetensors'))
+    (tmp_path/'config.json').write_text((path/'config.json').read_text())
+    ours = load_model(tmp_path, dtype=torch.float64, progress=False)
+    ids = prompts(VOCAB, [10], seed=4)[0]
+    a, b = ours_logits(ours, ids), hf_logits(hf, ids)
+    assert (a - b).abs().max().item() <= 1e-10 * b.abs().max().item()
+
+
+def test_a_missing_expert_is_named(checkpoints, tmp_path):
+    path, hf = checkpoints['qwen3-norm']
+    from safetensors.torch import load_file
+    state = load_file(str(path/'model.safetensors'))
+    del state['model.layers.2.mlp.experts.5.up_proj.weight']
+    save_file(state, str(tmp_path/'model.safetensors'))
+    (tmp_path/'config.json').write_text((path/'config.json').read_text())
+    with pytest.raises(ValueError, match=r'missing \(1\): model\.layers\.2\.mlp\.experts\.5\.up_proj'):
+        load_model(tmp_path, progress=False)
+
+
+def test_tensor_parallel_is_refused():
+    config = ModelConfig('qwen3_moe', VOCAB, 32, 48, 2, 4, 2, 8, num_experts=8,
+                         num_experts_per_tok=2, moe_intermediate_size=16)
+    with pytest.raises(ValueError, match='mixture-of-experts'):
+        check_tensor_parallel(config, 2)
+
+
+# --- the engine ------------------------------------------------------------------------------
+
+def _pool(path, num_blocks, block_size=4) -> int:
+    "kv_cache_memory bytes for exactly num_blocks float64 blocks."
+    return num_blocks * kv_bytes_per_block(ModelConfig.from_pretrained(path), block_size,
+                                           torch.float64)
+
+
+def _engine_tokens(llm, batch, max_tokens):
+    "Greedy tokens for the whole batch in one generate call."
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    return [out.token_ids for out in llm.generate(batch, params, use_tqdm=False)]
+
+
+def _shared_prefix_batch(seed):
+    "Four prompts, the last three sharing a 16-token prefix (four blocks of 4)."
+    prefix = prompts(VOCAB, [16], seed=seed)[0]
+    tails = prompts(VOCAB, [9, 3, 6, 11], seed=seed + 1)
+    return [tails[0]] + [prefix + tail for tail in tails[1:]]
+
+
+@pytest.mark.parametrize('case', ['qwen3-norm', 'qwen2-shared'])
+def test_engine_chunked_prefill_and_prefix_cache(checkpoints, case):
+    path, hf = checkpoints[case]
+    batch = _shared_prefix_batch(seed=5)
+    llm = LLM(path, dtype=torch.float64, block_size=4, max_num_batched_tokens=8,
+              kv_cache_memory=_pool(path, 256))
+    assert _engine_tokens(llm, batch, 8) == [hf_greedy(hf, p, 8) for p in batch]
+    again = _engine_tokens(llm, batch[1:], 8)                      # the prefixes are cached now
+    assert llm.engine.block_manager.num_hit_tokens >= 16
+    assert again == [hf_greedy(hf, p, 8) for p in batch[1:]]
+
+
+@pytest.mark.parametrize('case', ['qwen3-raw-step2', 'qwen2-shared'])
+def test_engine_preemption(checkpoints, case):
+    "A pool of 14 blocks cannot hold the batch: requests are preempted and recomputed."
+    path, hf = checkpoints[case]
+    batch = prompts(VOCAB, [10, 14, 7, 12], seed=6)
+    llm = LLM(path, dtype=torch.float64, block_size=4, max_num_batched_tokens=32,
+              kv_cache_memory=_pool(path, 14))
+    assert _engine_tokens(llm, batch, 12) == [hf_greedy(hf, p, 12) for p in batch]
+    assert llm.stats.num_preemptions > 0
+
+
+@pytest.mark.parametrize('case', ['qwen3-mlp-only', 'qwen2-shared'])
+def test_engine_ngram_speculation(checkpoints, case):
+    path, hf = checkpoints[case]
+    # repetitive prompts, so that the n-gram proposer has something to propose
+    batch = [p * 3 for p in prompts(VOCAB, [4, 5], seed=7)]
+    spec = {'method': 'ngram', 'num_speculative_tokens': 3, 'prompt_lookup_min': 1,
+            'prompt_lookup_max': 3}
+    llm = LLM(path, dtype=torch.float64, block_size=4, kv_cache_memory=_pool(path, 128),
+              speculative_config=spec)
+    assert _engine_tokens(llm, batch, 10) == [hf_greedy(hf, p, 10) for p in batch]
+
+
+@pytest.mark.parametrize('case', ['qwen3-norm', 'qwen2-shared'])
+def test_engine_triton_backend(checkpoints, case):
+    "Fused attention (Triton's interpreter on a CPU); the MoE block stays the torch reference."
+    path, hf = checkpoints[case]
+    batch = prompts(VOCAB, [3, 9], seed=8)
+    llm = LLM(path, dtype=torch.float64, block_size=4, max_num_batched_tokens=16,
+              kv_cache_memory=_pool(path, 64), attention_backend='triton')
+    assert isinstance(llm.engine.runner.body, FusedModelBody)
+    assert _engine_tokens(llm, batch, 5) == [hf_greedy(hf, p, 5) for p in batch]
