@@ -52,7 +52,7 @@ class Experts(nn.Module):
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor,
                 experts: torch.Tensor) -> torch.Tensor:
-        "x [T, H], weights and expert ids [T, k] -> the weighted sum of each token's experts [T, H]."
+        "x [T, H], weights and expert ids [T, k] -> each token's weighted sum of experts [T, H]."
         top_k = experts.shape[1]
         order = experts.flatten().argsort(stable=True)     # [T·k] assignments, grouped by expert
         counts = torch.bincount(experts.flatten(), minlength=self.num_experts).tolist()
@@ -69,7 +69,7 @@ class Experts(nn.Module):
 
 # %% ../../nbs/22_moe.ipynb #05de56cc
 class SparseMoeBlock(nn.Module):
-    "Router, k-of-E experts and (Qwen2-MoE) a shared expert behind a sigmoid gate: [T, H] -> [T, H]."
+    "Router, k-of-E experts, (Qwen2-MoE) a shared expert behind a sigmoid gate: [T, H] -> [T, H]."
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.top_k, self.norm_topk_prob = config.num_experts_per_tok, config.norm_topk_prob
