@@ -15,7 +15,8 @@ from petite_llm.model.config import ModelConfig, _open_gguf
 from petite_llm.engine.llm_engine import LLM
 from petite_llm.model.layers.linear import packed_linear_available, prepack_linears
 from petite_llm.model.qwen3 import Qwen3ForCausalLM
-from petite_llm.model.quantization import (INT8_MM_MAX_ROWS, Int8Linear, load_q8_0, perplexity,
+import petite_llm.model.quantization as quantization
+from petite_llm.model.quantization import (Int8Linear, load_q8_0, perplexity,
                                      q8_0_to_int8, quantize_int8, quantize_model)
 from petite_llm.model.sampling import SamplingParams
 from petite_llm.model.tokenizer import Tokenizer
@@ -53,9 +54,10 @@ def test_quantize_int8_rounds_each_weight_within_half_a_step():
 
 
 @pytest.mark.parametrize('dtype', [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize('rows', [1, INT8_MM_MAX_ROWS, INT8_MM_MAX_ROWS + 1, 64])
-def test_int8_linear_matches_dequantized_reference(one_thread, dtype, rows):
+@pytest.mark.parametrize('rows', [1, 16, 17, 64])
+def test_int8_linear_matches_dequantized_reference(one_thread, monkeypatch, dtype, rows):
     "Both paths (the int8 kernel for few rows, convert-then-matmul for more) compute q * scale."
+    monkeypatch.setattr(quantization, 'INT8_MM_MAX_ROWS', 16)      # both paths, on any CPU
     torch.manual_seed(rows)
     linear = nn.Linear(256, 96, bias=True).to(dtype)
     layer = Int8Linear.from_linear(linear)
@@ -68,6 +70,16 @@ def test_int8_linear_matches_dequantized_reference(one_thread, dtype, rows):
     # float32: rounding only; bf16: the output's own 8-bit rounding
     tol = 1e-5 if dtype == torch.float32 else 2 ** -7
     assert (out.float() - reference).abs().max() <= tol * reference.abs().max()
+
+
+@pytest.mark.parametrize('native,rows,dtype,kernel', [
+    (True, 16, torch.bfloat16, True), (True, 17, torch.bfloat16, False),
+    (False, 4096, torch.bfloat16, True), (True, 1, torch.float32, False),
+    (False, 1, torch.float16, False)])
+def test_the_int8_kernel_takes_what_it_wins(monkeypatch, native, rows, dtype, kernel):
+    "bf16 rows only: up to 16 where the CPU has native bf16, all where it emulates it."
+    monkeypatch.setattr(quantization, 'INT8_MM_MAX_ROWS', 16 if native else math.inf)
+    assert quantization.int8_kernel_takes(torch.empty(rows, 8, dtype=dtype)) == kernel
 
 
 def test_int8_linear_is_close_to_the_float_weights(one_thread):

@@ -16,8 +16,8 @@ from .layers.linear import PackedLinear
 from .weights import map_gguf_name, map_hf_name, unpermute_qk
 
 # %% auto #0
-__all__ = ['INT8_MM_MAX_ROWS', 'QUANTIZATION_METHODS', 'Q8_0_BLOCK', 'quantize_int8', 'Int8Linear', 'quantize_model',
-           'perplexity', 'q8_0_to_int8', 'gguf_q8_0_tensors', 'load_q8_0']
+__all__ = ['NATIVE_BF16', 'INT8_MM_MAX_ROWS', 'QUANTIZATION_METHODS', 'Q8_0_BLOCK', 'quantize_int8', 'int8_kernel_takes',
+           'Int8Linear', 'quantize_model', 'perplexity', 'q8_0_to_int8', 'gguf_q8_0_tensors', 'load_q8_0']
 
 # %% ../../nbs/18_quantization.ipynb #3d1a4170
 def quantize_int8(weight: torch.Tensor, dtype: torch.dtype | None = None):
@@ -29,7 +29,15 @@ def quantize_int8(weight: torch.Tensor, dtype: torch.dtype | None = None):
     return q, scale
 
 # %% ../../nbs/18_quantization.ipynb #3e3421dd
-INT8_MM_MAX_ROWS = 16      # above this many rows (tokens), convert-then-matmul wins: measured below
+# the int8 kernel's range, measured below: up to 16 rows (tokens) where the CPU multiplies
+# bfloat16 natively, every row where it emulates bfloat16 (the converted matmul is slow there)
+NATIVE_BF16 = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+INT8_MM_MAX_ROWS = 16 if NATIVE_BF16 else math.inf
+
+def int8_kernel_takes(x: torch.Tensor) -> bool:
+    "Whether the int8 kernel computes x [T, in]: bf16 on a CPU, at most INT8_MM_MAX_ROWS rows."
+    # float32 and float16 activations: the kernel is slower than converting, from one row on
+    return x.is_cpu and x.dtype == torch.bfloat16 and x.shape[0] <= INT8_MM_MAX_ROWS
 
 class Int8Linear(nn.Module):
     "A Linear with per-output-channel int8 weights: y = (x @ q.T) * scale + bias."
@@ -50,7 +58,7 @@ class Int8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:   # [T, in] -> [T, out]
         "(x @ q.T) * scale (+ bias): the int8 kernel for a few rows on a CPU, else convert first."
-        if x.is_cpu and x.shape[0] <= INT8_MM_MAX_ROWS:
+        if int8_kernel_takes(x):
             out = torch.ops.aten._weight_int8pack_mm(x, self.weight, self.weight_scale)
         else:
             # int8 values are exact in bf16/fp16/fp32: only the products round
