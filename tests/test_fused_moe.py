@@ -2,7 +2,8 @@
 tiles of one expert each, and `fused_experts` (two grouped-GEMM launches) equals the torch
 reference `Experts.forward` for 4 to 128 experts, top-k 1 to 8 and 1 to 300 tokens, experts with
 no token included: float32 and float64 to their rounding, float16 (and bfloat16, on a GPU: the
-interpreter has no bfloat16 arithmetic) within a unit or two of the dtype's last place.
+interpreter has no bfloat16 arithmetic) within a unit or two of the dtype's last place. Through
+the engine's triton backend, an MoE model gives transformers' greedy tokens (float64).
 
 Without a GPU the kernels run in Triton's interpreter (tests/conftest.py switches it on before
 the kernel modules define them); shapes stay tiny, as each program instance costs milliseconds.
@@ -17,8 +18,12 @@ if not torch.cuda.is_available():
 import pytest
 from torch import nn
 
+from petite_llm import LLM
+from petite_llm.engine import triton_backend
 from petite_llm.engine.fused_moe import fused_experts, moe_align_block_size
 from petite_llm.model.moe import Experts, route
+from test_moe import VOCAB, _engine_tokens, _pool, checkpoints  # noqa: F401 (a fixture)
+from test_parity import hf_greedy, prompts
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -81,3 +86,20 @@ def test_fused_experts_equals_the_reference(shape, dtype):
     assert err <= TOL[dtype] * ref.abs().max().item(), err
 
 
+
+@pytest.mark.parametrize('case', ['qwen3-norm', 'qwen2-shared'])
+def test_engine_triton_backend_gives_transformers_greedy_tokens(checkpoints, case, monkeypatch):
+    "Fused attention and fused experts (Triton's interpreter on a CPU), float64, as test_moe."
+    path, hf = checkpoints[case]
+    calls = []
+
+    def counted(*args):
+        calls.append(args[1].shape[0])                           # the step's token count
+        return fused_experts(*args)
+    monkeypatch.setattr(triton_backend, 'fused_experts', counted)
+    batch = prompts(VOCAB, [3, 9], seed=8)
+    llm = LLM(path, dtype=torch.float64, block_size=4, max_num_batched_tokens=16,
+              kv_cache_memory=_pool(path, 64), attention_backend='triton')
+    assert isinstance(llm.engine.runner.body, triton_backend.FusedModelBody)
+    assert _engine_tokens(llm, batch, 5) == [hf_greedy(hf, p, 5) for p in batch]
+    assert 12 in calls and 2 in calls                            # the prefill and the decodes
