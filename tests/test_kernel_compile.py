@@ -29,25 +29,29 @@ LAYOUTS = [(2, 1, 64, True, 64, 128), (4, 2, 64, False, 64, 128), (6, 3, 128, Tr
            (8, 8, 128, False, 64, 128), (16, 8, 128, True, 1024, 3072),
            (32, 8, 128, True, 4096, 12288)]
 BLOCK_SIZE = 16
+# a sparse layer: 8 experts, 2 per token, so decode steps (6 rows) take the fused-MoE kernel's
+# 16-row tiles and 32-token prefill steps (64 rows) its 64-row tiles
+MOE = dict(model_type='qwen3_moe', num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32)
 
 
-def layout_config(layout):
-    "One decoder layer of this layout and a small vocabulary."
+def layout_config(layout, moe=None):
+    "One decoder layer of this layout (sparse with the moe fields) and a small vocabulary."
     num_heads, num_kv_heads, head_dim, qk_norm, hidden, intermediate = layout
-    return ModelConfig(model_type='qwen3' if qk_norm else 'qwen2', vocab_size=256,
-                      hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=1,
-                      num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
-                      head_dim=head_dim, qk_norm=qk_norm, max_position_embeddings=8192,
-                      tie_word_embeddings=True, eos_token_id=[1])
+    fields = dict(model_type='qwen3' if qk_norm else 'qwen2', vocab_size=256,
+                  hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=1,
+                  num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
+                  head_dim=head_dim, qk_norm=qk_norm, max_position_embeddings=8192,
+                  tie_word_embeddings=True, eos_token_id=[1])
+    return ModelConfig(**{**fields, **(moe or {})})
 
 
-def random_model(layout, dtype):
+def random_model(layout, dtype, moe=None):
     "A model of one layer of this layout with random weights, built in dtype."
     torch.manual_seed(0)
     default = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
-        return Qwen3ForCausalLM(layout_config(layout)).eval()
+        return Qwen3ForCausalLM(layout_config(layout, moe)).eval()
     finally:
         torch.set_default_dtype(default)
 
@@ -76,9 +80,9 @@ def split_kv_decodes(engine, contexts):
         runner.forward(torch.tensor([7]), md.positions, md)
 
 
-def engine_run(layout, dtype, split_contexts=(), **options):
+def engine_run(layout, dtype, split_contexts=(), moe=None, **options):
     "Prompts of 3 to 40 tokens in 32-token steps (prefill, mixed, decode), then split-KV decodes."
-    engine = LLMEngine(random_model(layout, dtype), attention_backend='triton',
+    engine = LLMEngine(random_model(layout, dtype, moe), attention_backend='triton',
                        block_size=BLOCK_SIZE, max_num_batched_tokens=32, max_model_len=4200,
                        kv_cache_memory=300 * block_bytes(layout, dtype), **options)
     generate(engine, [[5, 9, 200, 17, 3], list(range(2, 42)), [11, 12, 13]])
@@ -95,6 +99,8 @@ def record_engine_launches():
             engine_run(layout, torch.bfloat16, (512, 1024, 2048, 4096) if real else (1024,))
             engine_run(layout, torch.float16, (1024,))
             engine_run(layout, torch.bfloat16, batch_invariant=True)
+        for dtype in (torch.bfloat16, torch.float16):          # the fused-MoE kernel's variants
+            engine_run(LAYOUTS[0], dtype, moe=MOE)
         # speculation's verify step: k + 1 query tokens of a sequence after its prefill
         engine = LLMEngine(random_model(LAYOUTS[1], torch.bfloat16), attention_backend='triton',
                            block_size=BLOCK_SIZE, kv_cache_memory=2**20, max_model_len=256,
@@ -114,7 +120,7 @@ def test_every_kernel_the_engine_launches_compiles_for_sm80_and_sm90():
     kernels = {row['variant'].split('(')[0] for row in rows}
     assert {'_qk_norm_rope_store_kernel', '_unified_attention_kernel', '_silu_and_mul_kernel',
             '_split_kv_attention_kernel', '_merge_segments_kernel',
-            '_fused_add_rms_norm_kernel'} <= kernels
+            '_fused_add_rms_norm_kernel', '_fused_moe_kernel'} <= kernels
     problems = [row for row in rows if row['problem']]
     assert not problems, compile_report(problems)
 

@@ -3,8 +3,8 @@
 shared expert. transformers writes each random checkpoint (`save_pretrained`, one tensor per
 expert); our loader stacks the experts. Compared in float64: logits to float64 rounding and greedy
 tokens equal, by the reference path and through the engine (chunked prefill, prefix caching,
-preemption, n-gram speculation, the Triton backend under the interpreter, whose MoE block stays the
-torch reference). No test downloads anything.
+preemption, n-gram speculation; the Triton backend, whose MoE block runs the fused kernel, in
+tests/test_fused_moe.py). No test downloads anything.
 """
 import json
 
@@ -15,7 +15,6 @@ from safetensors.torch import save_file
 
 from petite_llm import LLM, SamplingParams
 from petite_llm.engine.paging import kv_bytes_per_block
-from petite_llm.engine.triton_backend import FusedModelBody
 from petite_llm.model.config import ModelConfig
 from petite_llm.model.moe import SparseMoeBlock
 from petite_llm.model.weights import load_model
@@ -206,13 +205,3 @@ def test_engine_ngram_speculation(checkpoints, case):
               speculative_config=spec)
     assert _engine_tokens(llm, batch, 10) == [hf_greedy(hf, p, 10) for p in batch]
 
-
-@pytest.mark.parametrize('case', ['qwen3-norm', 'qwen2-shared'])
-def test_engine_triton_backend(checkpoints, case):
-    "Fused attention (Triton's interpreter on a CPU); the MoE block stays the torch reference."
-    path, hf = checkpoints[case]
-    batch = prompts(VOCAB, [3, 9], seed=8)
-    llm = LLM(path, dtype=torch.float64, block_size=4, max_num_batched_tokens=16,
-              kv_cache_memory=_pool(path, 64), attention_backend='triton')
-    assert isinstance(llm.engine.runner.body, FusedModelBody)
-    assert _engine_tokens(llm, batch, 5) == [hf_greedy(hf, p, 5) for p in batch]

@@ -55,6 +55,7 @@ class TritonAttentionBackend(AttentionBackend):
 from torch import nn
 
 from .fused import cos_sin_cache, qk_norm_rope_store, silu_and_mul
+from .fused_moe import fused_experts
 from ..model.moe import SparseMoeBlock
 
 class FusedModelBody(nn.Module):
@@ -91,6 +92,6 @@ class FusedModelBody(nn.Module):
         hidden = attn.o_proj(out.view(-1, attn.q_size))                   # [T, hidden]
         norm = layer.post_attention_layernorm
         x, residual = fused_add_rms_norm(hidden, residual, norm.weight, norm.eps)
-        if isinstance(mlp, SparseMoeBlock):    # experts: chapter 22's torch reference, unfused
-            return mlp(x), residual
+        if isinstance(mlp, SparseMoeBlock):    # chapter 22: the experts in two grouped GEMMs
+            return mlp(x, experts_forward=fused_experts), residual
         return mlp.down_proj(silu_and_mul(mlp.gate_up_proj(x))), residual
