@@ -156,6 +156,6 @@ def response_format_params(response_format: dict | None) -> StructuredOutputsPar
     schema = (response_format.get('json_schema') or {}).get('schema')
     if kind != 'json_schema' or not isinstance(schema, dict):
         raise APIError(400, "response_format is {'type': 'text'}, {'type': 'json_object'} or "
-                            "{'type': 'json_schema', 'json_schema': {'name': ..., 'schema': {...}}}",
-                       param='response_format')
+                            "{'type': 'json_schema', 'json_schema': "
+                            "{'name': ..., 'schema': {...}}}", param='response_format')
     return checked(StructuredOutputsParams(json=schema), 'response_format.json_schema.schema')

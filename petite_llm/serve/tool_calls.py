@@ -45,7 +45,8 @@ def call_grammar(tools: list[dict], indices: list[int]) -> StructuredOutputsPara
     calls = []
     for i, tool in zip(indices, tools):
         function = tool['function']
-        schema = {'type': 'object', 'additionalProperties': False, 'required': ['name', 'arguments'],
+        schema = {'type': 'object', 'additionalProperties': False,
+                  'required': ['name', 'arguments'],
                   'properties': {'name': {'const': function['name']},
                                  'arguments': function.get('parameters', {'type': 'object'})}}
         spec = checked(StructuredOutputsParams(json=schema), f'tools[{i}].function.parameters')
@@ -123,9 +124,10 @@ def call_objects(message: dict) -> dict:
         if not isinstance(function, dict) or not isinstance(function.get('arguments'), str):
             return call
         try:
-            return {**call, 'function': {**function, 'arguments': json.loads(function['arguments'])}}
+            arguments = json.loads(function['arguments'])
         except json.JSONDecodeError:
             return call
+        return {**call, 'function': {**function, 'arguments': arguments}}
     return {**message, 'tool_calls': [parsed(call) for call in calls]}
 
 # %% ../../nbs/16_server.ipynb #0c162c77
@@ -148,11 +150,15 @@ class ToolCallStream:
         self.calls += 1
 
     def _arguments(self, delta: dict, end: int):
-        "Send the open call's arguments up to end."
-        if end > self.sent:
-            piece = dict(index=self.calls - 1, function=dict(arguments=self.text[self.sent:end]))
-            delta['tool_calls'].append(piece)
-            self.sent = end
+        "Send the open call's arguments up to end (in its entry of this delta, if it has one)."
+        if end <= self.sent:
+            return
+        calls, piece = delta['tool_calls'], self.text[self.sent:end]
+        if calls and calls[-1]['index'] == self.calls - 1:
+            calls[-1]['function']['arguments'] += piece
+        else:
+            calls.append(dict(index=self.calls - 1, function=dict(arguments=piece)))
+        self.sent = end
 
     def _close_call(self, delta: dict, close: int):
         "The open call's block ends at close: send what is left of it."
