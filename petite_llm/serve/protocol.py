@@ -5,7 +5,7 @@
 from __future__ import annotations
 
 # %% auto 0
-__all__ = ['CHAT_ROLES', 'APIError', 'error_response', 'validation_message', 'CompletionRequest', 'ChatRequest', 'TokenizeRequest', 'DetokenizeRequest', 'request_sampling_params', 'chat_messages']
+__all__ = ['CHAT_ROLES', 'APIError', 'error_response', 'validation_message', 'CompletionRequest', 'ChatRequest', 'TokenizeRequest', 'DetokenizeRequest', 'request_sampling_params', 'chat_messages', 'checked', 'response_format_params']
 
 # %% ../../nbs/16_server.ipynb #dfc7eecb
 # petite_llm.serve.protocol: OpenAI-compatible request and error schemas
@@ -13,7 +13,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict
 
-from ..model.sampling import SamplingParams
+from ..model.sampling import SamplingParams, StructuredOutputsParams
 
 # %% ../../nbs/16_server.ipynb #04a78e27
 class APIError(Exception):
@@ -65,6 +65,7 @@ class _Request(BaseModel):
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
+    response_format: dict | None = None
 
 class CompletionRequest(_Request):
     "POST /v1/completions: a prompt (text, token ids, or a list of either)."
@@ -79,6 +80,8 @@ class ChatRequest(_Request):
     logprobs: bool = False
     top_logprobs: int | None = None
     chat_template_kwargs: dict | None = None
+    tools: list | None = None
+    tool_choice: str | dict | None = None
 
 class TokenizeRequest(BaseModel):
     "POST /tokenize: a prompt (text) or a conversation (messages)."
@@ -95,7 +98,8 @@ class DetokenizeRequest(BaseModel):
 # %% ../../nbs/16_server.ipynb #45156382
 def request_sampling_params(req: _Request, prompt_len: int, max_model_len: int,
                             max_tokens: int | None, logprobs: int | None,
-                            prompt_param: str = 'prompt') -> SamplingParams:
+                            prompt_param: str = 'prompt',
+                            structured: StructuredOutputsParams | None = None) -> SamplingParams:
     "The request's SamplingParams; APIError 400 for a bad value or one past the context."
     room = max_model_len - prompt_len
     if room <= 0:
@@ -109,7 +113,8 @@ def request_sampling_params(req: _Request, prompt_len: int, max_model_len: int,
                   stop=req.stop or [], seed=req.seed, presence_penalty=req.presence_penalty,
                   frequency_penalty=req.frequency_penalty, min_tokens=req.min_tokens,
                   ignore_eos=req.ignore_eos, stop_token_ids=req.stop_token_ids or [],
-                  logprobs=logprobs, skip_special_tokens=req.skip_special_tokens)
+                  logprobs=logprobs, skip_special_tokens=req.skip_special_tokens,
+                  structured_outputs=structured)
     optional = dict(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
                     min_p=req.min_p, repetition_penalty=req.repetition_penalty)
     fields.update({k: v for k, v in optional.items() if v is not None})
@@ -129,3 +134,28 @@ def chat_messages(messages: list[dict]) -> list[dict]:
             raise APIError(400, f"messages[{i}] has role {message.get('role')!r}; a message's role "
                                 f"is one of {', '.join(CHAT_ROLES)}", param=f'messages[{i}].role')
     return [{**m, 'role': 'system'} if m['role'] == 'developer' else m for m in messages]
+
+# %% ../../nbs/16_server.ipynb #81649e08
+def checked(spec: StructuredOutputsParams, param: str) -> StructuredOutputsParams:
+    "spec, once the grammar engine parsed it; else a 400 naming param and the problem."
+    from petite_llm.engine.structured import to_grammar    # xgrammar loads with the first grammar
+    try:
+        to_grammar(spec)
+    except ValueError as e:
+        raise APIError(400, str(e).replace(f'structured_outputs.{spec.kind}', param),
+                       param=param) from None
+    return spec
+
+def response_format_params(response_format: dict | None) -> StructuredOutputsParams | None:
+    "OpenAI's response_format as the engine's structured outputs (None for text); else a 400."
+    kind = (response_format or {}).get('type', 'text')
+    if kind == 'text':
+        return None
+    if kind == 'json_object':
+        return StructuredOutputsParams(json_object=True)
+    schema = (response_format.get('json_schema') or {}).get('schema')
+    if kind != 'json_schema' or not isinstance(schema, dict):
+        raise APIError(400, "response_format is {'type': 'text'}, {'type': 'json_object'} or "
+                            "{'type': 'json_schema', 'json_schema': "
+                            "{'name': ..., 'schema': {...}}}", param='response_format')
+    return checked(StructuredOutputsParams(json=schema), 'response_format.json_schema.schema')

@@ -20,10 +20,13 @@ from .. import __version__
 from .async_engine import AsyncLLMEngine, StreamBacklogError
 from .protocol import (APIError, ChatRequest, CompletionRequest, DetokenizeRequest,
                                  TokenizeRequest, chat_messages, error_response,
-                                 request_sampling_params, validation_message)
+                                 request_sampling_params, response_format_params,
+                                 validation_message)
 from ..model.sampling import SamplingParams
 from .limits import BodyLimit, ServerLimits, guarded_tokenizer
 from .metrics import ServerMetrics
+from .tool_calls import (ToolCallStream, call_objects, finish_reason, tool_choice,
+                                       with_tool_calls)
 from ..model.tokenizer import ThinkSplitter, split_reasoning, think_and_answer
 
 # %% auto #0
@@ -70,14 +73,15 @@ class _Server:
         except ValueError as e:
             raise APIError(400, str(e), param='prompt') from None
 
-    async def chat_ids(self, messages: list[dict], template_kwargs: dict | None) -> list[int]:
-        "A conversation's token ids under the chat template, ready for the reply."
+    async def chat_ids(self, messages: list[dict], template_kwargs: dict | None,
+                       tools: list[dict] | None = None) -> list[int]:
+        "A conversation's token ids under the chat template (showing tools), ready for the reply."
         if self.tokenizer is None:
             raise APIError(400, "this model has no tokenizer, hence no chat template")
-        messages = [{**m, 'content': _content_text(m.get('content'))}
+        messages = [call_objects({**m, 'content': _content_text(m.get('content'))})
                     for m in chat_messages(messages)]
         try:
-            return await asyncio.to_thread(self.tokenizer.chat_ids, messages,
+            return await asyncio.to_thread(self.tokenizer.chat_ids, messages, tools=tools,
                                            **(template_kwargs or {}))
         except ValueError as e:               # the template's raise_exception, a bad role ...
             raise APIError(400, str(e), param='messages') from None
@@ -204,9 +208,10 @@ async def create_completion(server: _Server, req: CompletionRequest):
         raise APIError(400, "prompt must not be empty", param='prompt')
     server.limits.check_n(req.n)
     server.limits.check_logprobs(req.logprobs, 'logprobs')
+    structured = response_format_params(req.response_format)
     ids = [await server.encode(p) for p in prompts]
     params = [request_sampling_params(req, len(i), server.max_model_len, req.max_tokens,
-                                      req.logprobs)
+                                      req.logprobs, structured=structured)
               for i in ids]
     rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
     head = dict(id=rid, object='text_completion', created=created, model=server.name)
@@ -257,14 +262,19 @@ async def _closing(events, *streams):
             await stream.aclose()
 
 # %% ../../nbs/16_server.ipynb #c29456df
-def _chat_delta(splitter: ThinkSplitter, c) -> dict:
-    "The delta of a streamed chat choice: what completion c adds, its reasoning apart."
+def _chat_delta(splitter: ThinkSplitter, c, calls: ToolCallStream | None) -> dict:
+    "The delta of a streamed chat choice: what completion c adds, its reasoning and calls apart."
     pieces = splitter.feed(c.delta_text) + (splitter.finish() if c.finished else [])
     reasoning, content = think_and_answer(pieces)
     delta = {}
+    if calls is not None:
+        parsed = calls.feed(content, c.finished)
+        content = parsed['content']
+        if parsed['tool_calls']:
+            delta['tool_calls'] = parsed['tool_calls']
     if reasoning:
         delta['reasoning_content'] = reasoning
-    if content or not reasoning:
+    if content or not delta:
         delta['content'] = content
     return delta
 
@@ -276,11 +286,16 @@ async def create_chat_completion(server: _Server, req: ChatRequest):
     if req.top_logprobs and not req.logprobs:
         raise APIError(400, "top_logprobs needs logprobs=true", param='top_logprobs')
     k = (req.top_logprobs or 0) if req.logprobs else None
-    ids = await server.chat_ids(req.messages, req.chat_template_kwargs)
+    tools, structured = tool_choice(req.tools, req.tool_choice), response_format_params(
+        req.response_format)
+    if tools.forced and structured:
+        raise APIError(400, "response_format and a forced tool_choice both shape the reply; "
+                            "give one", param='response_format')
+    ids = await server.chat_ids(req.messages, req.chat_template_kwargs, tools.tools)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None \
         else req.max_tokens
     params = request_sampling_params(req, len(ids), server.max_model_len, max_tokens, k,
-                                     'messages')
+                                     'messages', tools.forced or structured)
     rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
 
     def logprobs(token_ids, lps):
@@ -292,9 +307,12 @@ async def create_chat_completion(server: _Server, req: ChatRequest):
         for c in out.outputs:
             reasoning, content = split_reasoning(c.text)
             message = dict(role='assistant', content=content, reasoning_content=reasoning)
+            finish = c.finish_reason
+            if tools.tools is not None:
+                message, finish = with_tool_calls(message, finish)
             choices.append(dict(index=c.index, message=message,
                                 logprobs=logprobs(c.token_ids, c.logprobs or []),
-                                finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+                                finish_reason=finish, stop_reason=c.stop_reason))
         usage = _usage(len(ids), sum(len(c.token_ids) for c in out.outputs))
         return dict(id=rid, object='chat.completion', created=created, model=server.name,
                     choices=choices, usage=usage)
@@ -305,10 +323,13 @@ async def create_chat_completion(server: _Server, req: ChatRequest):
         yield first
 
     splitters = [ThinkSplitter() for _ in range(req.n)]
+    calls = [ToolCallStream() if tools.tools is not None else None for _ in range(req.n)]
 
     def delta_choice(_, c, lps):
-        return dict(index=c.index, delta=_chat_delta(splitters[c.index], c),
-                    logprobs=logprobs(c.delta_token_ids, lps), finish_reason=c.finish_reason,
+        delta = _chat_delta(splitters[c.index], c, calls[c.index])
+        called = calls[c.index] is not None and calls[c.index].calls > 0
+        return dict(index=c.index, delta=delta, logprobs=logprobs(c.delta_token_ids, lps),
+                    finish_reason=finish_reason(c.finish_reason, called),
                     stop_reason=c.stop_reason)
 
     head = dict(id=rid, object='chat.completion.chunk', created=created, model=server.name)
