@@ -309,6 +309,17 @@ def test_chapter_models_follows_the_package_to_the_model():
     assert not {'LLM', 'load_model', 'make_random_checkpoint'} & loaders
 
 
+def test_chapter_models_ignores_a_local_name_that_shadows_a_loader(tmp_path):
+    "A function whose own argument or variable is called `run` does not reach the package's run."
+    (tmp_path / 'm.py').write_text(
+        "def run():\n    return smollm2_gguf_path()\n\n"
+        "def calls(run):\n    return run()\n\n"
+        "def binds(x):\n    run = x\n    return run()\n\n"
+        "def reaches():\n    return run()\n")
+    loaders = chapter_models.model_loaders(tmp_path)
+    assert {'run', 'reaches'} <= loaders and not {'calls', 'binds'} & loaders
+
+
 @pytest.mark.parametrize('sources,needs', [
     (["from petite_llm.model.weights import smollm2_gguf_path\npath = smollm2_gguf_path()"], True),
     (["model = os.environ.get('PETITE_LLM_MODEL') or default_model()"], True),

@@ -41,13 +41,21 @@ def _names(tree: ast.AST) -> set[str]:
     return names
 
 
+def _bound(tree: ast.AST) -> set[str]:
+    "The names tree binds itself (arguments, assignments, loop targets): its locals, not globals."
+    return ({node.arg for node in ast.walk(tree) if isinstance(node, ast.arg)}
+            | {node.id for node in ast.walk(tree)
+               if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store)})
+
+
 def model_loaders(package: Path = ROOT / 'petite_llm') -> set[str]:
     "MARKERS and the package's top-level functions and classes that reach one of them."
     uses = {}
     for path in sorted(package.rglob('*.py')):
         for node in ast.parse(path.read_text(encoding='utf-8')).body:
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-                uses.setdefault(node.name, set()).update(_names(node))
+                # a local `run` is not the package's `run`: only free names can reach a loader
+                uses.setdefault(node.name, set()).update(_names(node) - _bound(node))
     loaders = set(MARKERS)
     while True:
         more = {name for name, names in uses.items() if name not in loaders and names & loaders}
