@@ -74,10 +74,11 @@ def test_check_outputs_finds_stale_missing_and_error_outputs(tmp_path):
     raised = {'output_type': 'error', 'ename': 'ZeroDivisionError', 'evalue': '', 'traceback': []}
     error = code('1/0', [raised],
                  petite_llm={'source_hash': nbtools.source_hash(code('1/0'))})
-    silent = code('x = 1')  # prints nothing and was never run: fine
+    silent = code('x = 1')  # prints nothing, but was never run: its outputs are unknown
     nb = write_nb(tmp_path / '03_x.ipynb', [fresh, edited, by_hand, error, silent])
     msgs = check_outputs.problems(nb, is_chapter=True)
-    assert len(msgs) == 3, msgs
+    assert len(msgs) == 4, msgs
+    assert 'cell 4' in msgs[3] and 'never run' in msgs[3]
     assert 'cell 1' in msgs[0] and 'edited after' in msgs[0]
     assert 'cell 2' in msgs[1] and 'no source hash' in msgs[1] and 'FLAGS=slow' in msgs[1]
     assert 'cell 3' in msgs[2] and 'error' in msgs[2]
@@ -182,6 +183,17 @@ def test_promises_picture():
     ran_on_gpu = code("#| gpu\nplt.savefig('../images/a.png')", [stream('x')])
     assert nbtools.promises_picture({'cells': [ran_on_gpu]})
     assert not nbtools.promises_picture({'cells': [md('no pictures'), code('x = 1')]})
+
+
+def test_check_outputs_fails_a_chapter_cell_never_run(tmp_path):
+    "A chapter's cell added after `make book` ran is missing its run, printing or not."
+    ran = code('x = 1')
+    ran['metadata'] = {'petite_llm': {'source_hash': nbtools.source_hash(ran)}}
+    nb = write_nb(tmp_path / '11_new.ipynb', [md('# New'), ran, code('y = 2'),
+                                              code('#| slow\nz = 3')])
+    msgs = check_outputs.problems(nb, is_chapter=True)
+    assert len(msgs) == 1 and 'cell 2' in msgs[0] and 'never run' in msgs[0], msgs
+    assert check_outputs.problems(nb, is_chapter=False) == []
 
 
 def test_check_outputs_allows_a_chapter_with_nothing_to_run(tmp_path):

@@ -5,6 +5,7 @@
 - a code cell that has outputs has no hash, or a hash of a different source
   (the cell was edited after its output was saved), or
 - a code cell that `make book` ran (it has a hash) was edited since, even if it prints nothing, or
+  a chapter's code cell that `make book` runs has no hash at all (added, never run), or
 - a chapter notebook with cells to run has no executed cell at all (the book was never built), or
 - a saved output is an error (a traceback would show on the site), or shows what a reader
   should not see: stderr (warnings, log lines, progress bars), a progress bar, or a path of the
@@ -25,7 +26,7 @@ from nbtools import (NBS, ROOT, chapters, noise, read_nb, saved_hash,  # noqa: E
 def problems(path: Path, is_chapter: bool) -> list[str]:
     """Every stale or missing output in one notebook, one message each."""
     nb = read_nb(path)
-    res, executed = [], 0
+    res, never_run, executed = [], [], 0
     for i, cell in enumerate(nb['cells']):
         if cell.get('cell_type') != 'code':
             continue
@@ -47,10 +48,14 @@ def problems(path: Path, is_chapter: bool) -> list[str]:
                        f'saved by hand, not by `make book`{hint}')
         elif h is not None and h != source_hash(cell):
             res.append(f'{where} was edited after `make book` saved its output')
+        elif h is None and is_chapter and source(cell).strip() and not skipped_by(cell):
+            never_run.append(f'{where} was never run by `make book` (a new cell?)')
     runnable = any(c.get('cell_type') == 'code' and source(c).strip() and not skipped_by(c)
                    for c in nb['cells'])
     if is_chapter and runnable and executed == 0:
         res.append(f'{path.name}: no cell was executed by `make book` (the book was never built)')
+    elif executed:
+        res += never_run              # a built chapter whose newer cells were not run with it
     return res
 
 
