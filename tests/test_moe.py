@@ -19,7 +19,7 @@ from petite_llm.model.config import ModelConfig
 from petite_llm.model.moe import SparseMoeBlock
 from petite_llm.model.weights import load_model
 from petite_llm.parallel.tensor_parallel import check_tensor_parallel
-from test_parity import hf_greedy, hf_logits, ours_greedy, ours_logits, prompts
+from test_parity import hf_greedy, hf_logits, ours_greedy, ours_logits, prompts, randomize_
 
 torch.set_num_threads(1)
 
@@ -35,22 +35,6 @@ CASES = {
                                                          mlp_only_layers=[0, 2])),
     'qwen2-shared': (transformers.Qwen2MoeConfig, dict(shared_expert_intermediate_size=24)),
 }
-
-
-def randomize_(model, seed):
-    """Unit-scale random weights: matrices (and each expert's) N(0, 1/fan_in), router rows N(0, 1)
-    so that routing differs from token to token, norms 1 ± 0.3, biases and embeddings N(0, 0.2²)."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            r = torch.randn(p.shape, generator=g, dtype=torch.float64)
-            if name.endswith('norm.weight'):
-                r = 1 + 0.3 * r
-            elif name.endswith('.bias') or 'embed_tokens' in name:
-                r = 0.2 * r
-            elif not name.endswith('mlp.gate.weight'):
-                r = r / p.shape[-1] ** 0.5
-            p.copy_(r)
 
 
 @pytest.fixture(scope='module')

@@ -34,10 +34,11 @@ HF = {'qwen3': (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
 
 
 def randomize_(model, seed):
-    """Give every parameter a random value with unit-scale activations: matrices N(0, 1/fan_in),
-    embeddings N(0, 0.2²), norm weights 1 ± 0.3, biases N(0, 0.3²). transformers' own init (std
-    0.02, norms exactly 1) gives flat distributions and would not notice a missing norm weight;
-    large tied embeddings make a random model repeat its input token forever, which tests little."""
+    """Give every parameter a random value with unit-scale activations: matrices (and each stacked
+    expert's) N(0, 1/fan_in), embeddings N(0, 0.2²), norm weights 1 ± 0.3, biases N(0, 0.3²), an
+    MoE router's rows N(0, 1) so that routing differs from token to token. transformers' own init
+    (std 0.02, norms exactly 1) gives flat distributions and would not notice a missing norm
+    weight; large tied embeddings make a random model repeat its input token forever."""
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -46,8 +47,10 @@ def randomize_(model, seed):
                 v = 1 + 0.3 * r
             elif name.endswith('.bias'):
                 v = 0.3 * r
-            elif p.dim() == 2 and 'embed_tokens' not in name:
-                v = r / p.shape[1] ** 0.5 * (2.0 if 'lm_head' in name else 1.0)
+            elif name.endswith('mlp.gate.weight'):                  # an MoE router
+                v = r
+            elif p.dim() >= 2 and 'embed_tokens' not in name:
+                v = r / p.shape[-1] ** 0.5 * (2.0 if 'lm_head' in name else 1.0)
             else:                                                   # embed_tokens
                 v = 0.2 * r
             p.copy_(v)

@@ -5,8 +5,6 @@ import re
 
 import jsonschema
 import pytest
-import torch
-import transformers
 import xgrammar as xgr
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -14,6 +12,7 @@ from hypothesis import strategies as st
 from petite_llm.engine.llm_engine import LLM
 from petite_llm.engine.structured import to_grammar
 from petite_llm.model.sampling import SamplingParams, StructuredOutputsParams
+from test_server_http import write_checkpoint
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -21,19 +20,8 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 @pytest.fixture(scope="module")
 def qwen3_path(tmp_path_factory):
     "A random-weight Qwen3 (float64) with the real Qwen3 tokenizer: a grammar needs a real vocab."
-    qwen3_tokenizer = pytest.importorskip("qwen3_tokenizer")
     path = tmp_path_factory.mktemp("qwen3_structured")
-    try:
-        qwen3_tokenizer.write_qwen3_tokenizer(path)
-    except Exception as e:
-        pytest.skip(f"no offline Qwen3 tokenizer here: {e}")
-    config = transformers.Qwen3Config(
-        vocab_size=151936, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=2, num_key_value_heads=1, head_dim=16, max_position_embeddings=512,
-        tie_word_embeddings=True, bos_token_id=151643, eos_token_id=151645, pad_token_id=0,
-        initializer_range=0.5)
-    torch.manual_seed(0)
-    transformers.Qwen3ForCausalLM(config).to(torch.float64).save_pretrained(path)
+    write_checkpoint(path)
     return path
 
 
