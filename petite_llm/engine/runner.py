@@ -128,9 +128,16 @@ class ModelRunner:
             return StepInFlight(scheduled, seqs, logits,
                                 output=self.speculator.sample(scheduled, logits, self.sampler))
         params = [seq.sampling_params for seq in seqs]
-        if any(p.reads_tokens for p in params):
-            # penalties, grammars and logprobs read the tokens: none is pending (LLMEngine waits)
-            output_ids = [seq.output_token_ids for seq in seqs]
+        # penalties, grammars and logprobs read the tokens: none is pending (LLMEngine waits)
+        on_host = any(p.reads_tokens for p in params)
+        # each one's output position: its tokens out and pending, less the one it samples now
+        num_out = [seq.num_output_tokens + seq.num_pending - 1 for seq in seqs]
+        if not on_host and all(p.greedy and n >= p.min_tokens for p, n in zip(params, num_out)):
+            token_ids = logits.float().argmax(-1)                          # [S]
+        else:
+            # without a penalty the sampler reads only len(output_ids): ranges of the right length
+            output_ids = ([seq.output_token_ids for seq in seqs] if on_host
+                          else [range(n) for n in num_out])
             allowed = logits
             if any(seq.grammar is not None for seq in seqs):
                 # chapter 21 (imported only when asked for): a constrained row keeps only the
@@ -139,22 +146,14 @@ class ModelRunner:
                 allowed = mask_logits(logits, seqs)
             probs = self.sampler.probs(allowed, params, [seq.prompt_token_ids for seq in seqs],
                                        output_ids, [seq.stop_ids for seq in seqs])
-            token_ids = self.sampler.sample(probs, params, output_ids).tolist()   # [S]
-            logprobs = self.sampler.logprobs(logits, params, token_ids)   # of the raw logits
-            output = ModelRunnerOutput(seqs, [[t] for t in token_ids],
-                                       [[lp] for lp in logprobs], logits, [0] * len(seqs))
-            return StepInFlight(scheduled, seqs, logits, output=output)
-        # each one's output position: its tokens out and pending, less the one it samples now
-        num_out = [seq.num_output_tokens + seq.num_pending - 1 for seq in seqs]
-        if all(p.greedy and n >= p.min_tokens for p, n in zip(params, num_out)):
-            token_ids = logits.float().argmax(-1)                          # [S]
-        else:
-            # the sampler reads only len(output_ids) here: ranges of the right length
-            output_ids = [range(n) for n in num_out]
-            probs = self.sampler.probs(logits, params, [seq.prompt_token_ids for seq in seqs],
-                                       output_ids, [seq.stop_ids for seq in seqs])
             token_ids = self.sampler.sample(probs, params, output_ids)     # [S]
-        return StepInFlight(scheduled, seqs, logits, token_ids, *_copy_to_host(token_ids))
+        if not on_host:
+            return StepInFlight(scheduled, seqs, logits, token_ids, *_copy_to_host(token_ids))
+        token_ids = token_ids.tolist()
+        logprobs = self.sampler.logprobs(logits, params, token_ids)       # of the raw logits
+        output = ModelRunnerOutput(seqs, [[t] for t in token_ids], [[lp] for lp in logprobs],
+                                   logits, [0] * len(seqs))
+        return StepInFlight(scheduled, seqs, logits, output=output)
 
     def _fill_pending(self, scheduled: SchedulerOutput, prev: StepInFlight | None):
         "input_ids' placeholders for tokens prev sampled, filled on the device; None if none."
