@@ -4,7 +4,8 @@ shared expert. transformers writes each random checkpoint (`save_pretrained`, on
 expert); our loader stacks the experts. Compared in float64: logits to float64 rounding and greedy
 tokens equal, by the reference path and through the engine (chunked prefill, prefix caching,
 preemption, n-gram speculation; the Triton backend, whose MoE block runs the fused kernel, in
-tests/test_fused_moe.py). No test downloads anything.
+tests/test_fused_moe.py; tensor parallelism, a dense draft model and async scheduling in
+tests/test_moe_modes.py). No test downloads anything.
 """
 import json
 
@@ -18,7 +19,7 @@ from petite_llm.engine.paging import kv_bytes_per_block
 from petite_llm.model.config import ModelConfig
 from petite_llm.model.moe import SparseMoeBlock
 from petite_llm.model.weights import load_model
-from petite_llm.parallel.tensor_parallel import check_tensor_parallel
+from petite_llm.parallel.tensor_parallel import check_tensor_parallel, tensor_parallel_sizes
 from test_parity import hf_greedy, hf_logits, ours_greedy, ours_logits, prompts, randomize_
 
 torch.set_num_threads(1)
@@ -127,11 +128,21 @@ def test_a_missing_expert_is_named(checkpoints, tmp_path):
         load_model(tmp_path, progress=False)
 
 
-def test_tensor_parallel_is_refused():
-    config = ModelConfig('qwen3_moe', VOCAB, 32, 48, 2, 4, 2, 8, num_experts=8,
-                         num_experts_per_tok=2, moe_intermediate_size=16)
-    with pytest.raises(ValueError, match='mixture-of-experts'):
-        check_tensor_parallel(config, 2)
+def test_a_width_that_does_not_split_is_refused():
+    "An expert width not a multiple of the ranks: refused by name, with the sizes that work."
+    config = ModelConfig('qwen2_moe', VOCAB, 32, 48, 2, 4, 2, 8, num_experts=8,
+                         num_experts_per_tok=2, moe_intermediate_size=18,
+                         shared_expert_intermediate_size=20)
+    assert tensor_parallel_sizes(config) == [1, 2]
+    with pytest.raises(ValueError, match=r"moe_intermediate_size=18 is not a multiple of 4.*"
+                                         r"The sizes that split it: 1, 2"):
+        check_tensor_parallel(config, 4)
+    shared = ModelConfig('qwen2_moe', VOCAB, 32, 48, 2, 4, 2, 8, num_experts=8,
+                         num_experts_per_tok=2, moe_intermediate_size=16,
+                         shared_expert_intermediate_size=20)
+    with pytest.raises(ValueError,
+                       match=r"shared_expert_intermediate_size=20 is not a multiple of 8"):
+        check_tensor_parallel(shared, 8)
 
 
 # --- the engine ------------------------------------------------------------------------------

@@ -80,6 +80,8 @@ class SparseMoeBlock(nn.Module):
         if config.shared_expert_intermediate_size:
             self.shared_expert = MLP(config.hidden_size, config.shared_expert_intermediate_size)
             self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False)
+        # on a tensor-parallel rank (chapter 19): the all-reduce that adds the ranks' partial sums
+        self.reduce = None
 
     def forward(self, x: torch.Tensor, experts_forward=None) -> torch.Tensor:  # [T, H] -> [T, H]
         "The routed experts' weighted sum, plus the gated shared expert if there is one."
@@ -89,7 +91,7 @@ class SparseMoeBlock(nn.Module):
         out = run(self.experts, x, weights, experts)
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-        return out
+        return out if self.reduce is None else self.reduce(out)
 
 def make_mlp(config: ModelConfig, layer_idx: int) -> nn.Module:
     "Layer `layer_idx`'s MLP: a SparseMoeBlock where the config makes it sparse, else a dense MLP."

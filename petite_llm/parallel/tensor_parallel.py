@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..model.config import ModelConfig
+from ..model.moe import SparseMoeBlock, is_sparse_layer
 from ..engine.paging import cdiv
 
 # %% auto #0
@@ -31,10 +32,13 @@ def _split_problems(config: ModelConfig, size: int) -> list[str]:
     if (kv_heads % size if kv_heads >= size else size % kv_heads):
         problems.append(f"num_key_value_heads={kv_heads} neither is a multiple of {size} "
                         f"nor divides it")
-    if config.num_experts and size > 1:
-        problems.append("its mixture-of-experts layers are not split across ranks")
-    if config.intermediate_size % size:
-        problems.append(f"intermediate_size={config.intermediate_size} is not a multiple of {size}")
+    # every MLP width a layer uses: the dense MLP's (if a layer is dense), an expert's, the shared one's
+    dense = any(not is_sparse_layer(config, i) for i in range(config.num_hidden_layers))
+    widths = dict(intermediate_size=config.intermediate_size if dense else 0,
+                  moe_intermediate_size=config.moe_intermediate_size,
+                  shared_expert_intermediate_size=config.shared_expert_intermediate_size)
+    problems += [f"{name}={width} is not a multiple of {size}"
+                 for name, width in widths.items() if width % size]
     return problems
 
 def tensor_parallel_sizes(config: ModelConfig) -> list[int]:
@@ -53,10 +57,12 @@ def check_tensor_parallel(config: ModelConfig, size: int):
 
 # %% ../../nbs/19_tensor_parallel.ipynb #7f36c886
 def shard_config(config: ModelConfig, size: int) -> ModelConfig:
-    "One rank's ModelConfig: its share of the heads (one KV head at least) and of the MLP."
+    "One rank's ModelConfig: its share of the heads (one KV head at least) and of each MLP width."
     return replace(config, num_attention_heads=config.num_attention_heads // size,
                    num_key_value_heads=max(1, config.num_key_value_heads // size),
-                   intermediate_size=config.intermediate_size // size)
+                   intermediate_size=config.intermediate_size // size,
+                   moe_intermediate_size=config.moe_intermediate_size // size,
+                   shared_expert_intermediate_size=config.shared_expert_intermediate_size // size)
 
 def kv_head_start(config: ModelConfig, rank: int, size: int) -> int:
     "The first KV head rank keeps: its block of them, or the one its query heads share."
@@ -78,6 +84,11 @@ def shard_tensor(name: str, tensor: torch.Tensor, config: ModelConfig, rank: int
         return tensor[start:start + shard_config(config, size).kv_size]
     if module in _ROW_PARALLEL:
         return tensor.chunk(size, dim=1)[rank]             # [out, in / size]
+    if name.endswith('.experts.gate_up_proj'):             # stacked [E, 2I, H]: gate rows, up rows
+        halves = tensor.chunk(2, dim=1)                    # 2 x [E, I, H]
+        return torch.cat([half.chunk(size, dim=1)[rank] for half in halves], dim=1)
+    if name.endswith('.experts.down_proj'):                # stacked [E, H, I]
+        return tensor.chunk(size, dim=2)[rank]             # [E, H, I / size]
     if name in _VOCAB_PARALLEL:
         rows = cdiv(config.vocab_size, size)               # the last rank's rows padded with zeros
         piece = tensor[rank * rows:(rank + 1) * rows]      # [<= rows, hidden]
@@ -161,10 +172,13 @@ class ParallelLMHead(nn.Module):
 
 # %% ../../nbs/19_tensor_parallel.ipynb #005d009c
 def parallelize(model: nn.Module, vocab_size: int, rank: int, size: int) -> nn.Module:
-    "A loaded shard made a rank: all-reduce after o_proj and down_proj, vocabulary split, in place."
+    "A loaded shard made a rank: all-reduce after o_proj and each MLP, vocabulary split, in place."
     for layer in model.model.layers:
         layer.self_attn.o_proj = RowParallelLinear(layer.self_attn.o_proj)
-        layer.mlp.down_proj = RowParallelLinear(layer.mlp.down_proj)
+        if isinstance(layer.mlp, SparseMoeBlock):   # routed and shared experts: one sum, one reduce
+            layer.mlp.reduce = all_reduce
+        else:
+            layer.mlp.down_proj = RowParallelLinear(layer.mlp.down_proj)
     weight = model.model.embed_tokens.weight                   # [rows, hidden], rows = V / size
     model.model.embed_tokens = VocabParallelEmbedding(weight, rank * weight.shape[0])
     model.lm_head = ParallelLMHead(model.lm_head, vocab_size, size)
