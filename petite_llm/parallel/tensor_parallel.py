@@ -32,7 +32,7 @@ def _split_problems(config: ModelConfig, size: int) -> list[str]:
     if (kv_heads % size if kv_heads >= size else size % kv_heads):
         problems.append(f"num_key_value_heads={kv_heads} neither is a multiple of {size} "
                         f"nor divides it")
-    # every MLP width a layer uses: the dense MLP's (if a layer is dense), an expert's, the shared one's
+    # each MLP width a layer uses: the dense one (if a layer is dense), an expert's, the shared one
     dense = any(not is_sparse_layer(config, i) for i in range(config.num_hidden_layers))
     widths = dict(intermediate_size=config.intermediate_size if dense else 0,
                   moe_intermediate_size=config.moe_intermediate_size,
