@@ -5,6 +5,7 @@
 # %% ../../nbs/00_config.ipynb #a25dbb41
 from __future__ import annotations
 import json
+import platform
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -14,7 +15,7 @@ from fastcore.basics import patch
 
 # %% auto #0
 __all__ = ['DTYPES', 'MOE_MODEL_TYPES', 'SUPPORTED_MODEL_TYPES', 'ROPE_SCALING_KEYS', 'GGUF_ARCHS', 'parse_dtype', 'ModelConfig',
-           'resolve_device', 'read_gguf_metadata']
+           'resolve_device', 'cpu_name', 'read_gguf_metadata']
 
 # %% ../../nbs/00_config.ipynb #85d1b4f4
 # Every spelling of a dtype a user, a config.json or a command line may use, in one table
@@ -112,6 +113,16 @@ def resolve_device(device: str | torch.device | None = None) -> torch.device:
         return torch.device(device)
     except RuntimeError as e:                 # torch's own message lists the device types
         raise ValueError(f"device {str(device)!r} is not a device torch knows: {e}") from None
+
+# %% ../../nbs/00_config.ipynb #b6704828
+def cpu_name() -> str:
+    "The CPU's model name, to print beside a figure measured on it ('this CPU' if unknown)."
+    try:
+        with open('/proc/cpuinfo') as f:          # Linux
+            names = [line.split(':', 1)[1].strip() for line in f if line.startswith('model name')]
+    except OSError:
+        names = []
+    return names[0] if names else platform.processor() or 'this CPU'
 
 # %% ../../nbs/00_config.ipynb #2522959a
 # expert fields: read for qwen3_moe / qwen2_moe, refused on any other model type
