@@ -13,19 +13,21 @@ from torch import nn
 
 from .config import ModelConfig, _gguf_fields, _open_gguf
 from .layers.linear import PackedLinear
-from .weights import map_gguf_name, map_hf_name, unpermute_qk
+from .moe import Experts, SparseMoeBlock
+from .weights import map_gguf_name, map_hf_name, per_expert, unpermute_qk
 
 # %% auto #0
 __all__ = ['NATIVE_BF16', 'INT8_MM_MAX_ROWS', 'QUANTIZATION_METHODS', 'Q8_0_BLOCK', 'quantize_int8', 'int8_kernel_takes',
-           'Int8Linear', 'quantize_model', 'perplexity', 'q8_0_to_int8', 'gguf_q8_0_tensors', 'load_q8_0']
+           'int8_linear', 'Int8Linear', 'Int8Experts', 'quantize_model', 'perplexity', 'q8_0_to_int8',
+           'gguf_q8_0_tensors', 'load_q8_0']
 
 # %% ../../nbs/18_quantization.ipynb #3d1a4170
 def quantize_int8(weight: torch.Tensor, dtype: torch.dtype | None = None):
-    "Per-row symmetric int8 of weight [out, in]: q [out, in] int8, scale [out]; q*scale ≈ weight."
+    "Per-row symmetric int8 of weight [..., out, in]: q int8 of its shape, scale [..., out]."
     w = weight.detach().float()
-    scale = (w.abs().amax(dim=1) / 127).to(dtype or weight.dtype)          # [out]
+    scale = (w.abs().amax(dim=-1) / 127).to(dtype or weight.dtype)         # [..., out]
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))          # all-zero rows
-    q = torch.round(w / scale.float()[:, None]).clamp(-127, 127).to(torch.int8)
+    q = torch.round(w / scale.float()[..., None]).clamp(-127, 127).to(torch.int8)
     return q, scale
 
 # %% ../../nbs/18_quantization.ipynb #3e3421dd
@@ -38,6 +40,13 @@ def int8_kernel_takes(x: torch.Tensor) -> bool:
     "Whether the int8 kernel computes x [T, in]: bf16 on a CPU, at most INT8_MM_MAX_ROWS rows."
     # float32 and float16 activations: the kernel is slower than converting, from one row on
     return x.is_cpu and x.dtype == torch.bfloat16 and x.shape[0] <= INT8_MM_MAX_ROWS
+
+def int8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor):
+    "(x @ q.T) * scale for x [T, in], int8 q [out, in], scale [out]: the int8 kernel or convert."
+    if int8_kernel_takes(x):
+        return torch.ops.aten._weight_int8pack_mm(x, weight, weight_scale)
+    # int8 values are exact in bf16/fp16/fp32: only the products round
+    return F.linear(x, weight.to(x.dtype)) * weight_scale
 
 class Int8Linear(nn.Module):
     "A Linear with per-output-channel int8 weights: y = (x @ q.T) * scale + bias."
@@ -58,22 +67,51 @@ class Int8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:   # [T, in] -> [T, out]
         "(x @ q.T) * scale (+ bias): the int8 kernel for a few rows on a CPU, else convert first."
-        if int8_kernel_takes(x):
-            out = torch.ops.aten._weight_int8pack_mm(x, self.weight, self.weight_scale)
-        else:
-            # int8 values are exact in bf16/fp16/fp32: only the products round
-            out = F.linear(x, self.weight.to(x.dtype)) * self.weight_scale
+        out = int8_linear(x, self.weight, self.weight_scale)
         return out if self.bias is None else out + self.bias
 
     def extra_repr(self):
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"bias={self.bias is not None}")
 
+# %% ../../nbs/18_quantization.ipynb #a1e70002
+class Int8Experts(nn.Module):
+    "Stacked experts with one int8 scale per output row of each expert: Experts' call, int8 bytes."
+    def __init__(self, gate_up_proj: torch.Tensor, gate_up_proj_scale: torch.Tensor,
+                 down_proj: torch.Tensor, down_proj_scale: torch.Tensor):
+        super().__init__()
+        self.num_experts, two_i, _ = gate_up_proj.shape
+        self.intermediate_size = two_i // 2
+        self.gate_up_proj = nn.Parameter(gate_up_proj, requires_grad=False)        # [E, 2I, H]
+        self.gate_up_proj_scale = nn.Parameter(gate_up_proj_scale, requires_grad=False)  # [E, 2I]
+        self.down_proj = nn.Parameter(down_proj, requires_grad=False)              # [E, H, I]
+        self.down_proj_scale = nn.Parameter(down_proj_scale, requires_grad=False)  # [E, H]
+
+    @classmethod
+    def from_experts(cls, experts: Experts) -> Int8Experts:
+        "The int8 twin of a float Experts; the scales in its weights' dtype."
+        return cls(*quantize_int8(experts.gate_up_proj), *quantize_int8(experts.down_proj))
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor,
+                experts: torch.Tensor) -> torch.Tensor:
+        "x [T, H], weights and expert ids [T, k] -> [T, H]; only the active experts are read."
+        out = torch.zeros_like(x)
+        for expert in experts.unique().tolist():
+            token, slot = (experts == expert).nonzero(as_tuple=True)             # [n] each
+            gate_up = int8_linear(x[token], self.gate_up_proj[expert],
+                                  self.gate_up_proj_scale[expert])               # [n, 2I]
+            gate, up = gate_up.chunk(2, dim=-1)
+            y = int8_linear(F.silu(gate) * up, self.down_proj[expert],
+                            self.down_proj_scale[expert])                        # [n, H]
+            out.index_add_(0, token, y * weights[token, slot, None])
+        return out
+
+
 # %% ../../nbs/18_quantization.ipynb #3a7fd7fe
 QUANTIZATION_METHODS = ('int8',)
 
 def quantize_model(model: nn.Module, method: str = 'int8', lm_head: bool = True) -> int:
-    "Swap the model's nn.Linears for Int8Linears (per-row int8 weights); return how many."
+    "Swap nn.Linears for Int8Linears and stacked Experts for Int8Experts; return how many."
     if method not in QUANTIZATION_METHODS:
         raise ValueError(f"unknown quantization method {method!r}: "
                          f"choose one of {', '.join(map(repr, QUANTIZATION_METHODS))}")
@@ -81,13 +119,19 @@ def quantize_model(model: nn.Module, method: str = 'int8', lm_head: bool = True)
         raise ValueError("the model's linears are already packed for oneDNN (prepack_linears), "
                          "which keeps no plain weight to quantize: call quantize_model first, "
                          "then prepack_linears")
-    head = getattr(model, 'lm_head', None)
-    linears = [(parent, name, child) for parent in model.modules()
-               for name, child in parent.named_children()
-               if isinstance(child, nn.Linear) and (lm_head or child is not head)]
-    for parent, name, linear in linears:
-        setattr(parent, name, Int8Linear.from_linear(linear))
-    return len(linears)
+    blocks = [m for m in model.modules() if isinstance(m, SparseMoeBlock)]
+    # the routers stay float: a rounded router logit could send a token to another expert
+    kept = [b.gate for b in blocks] + [b.shared_expert_gate for b in blocks]
+    if not lm_head:
+        kept.append(getattr(model, 'lm_head', None))
+    swaps = [(parent, name, child) for parent in model.modules()
+             for name, child in parent.named_children()
+             if isinstance(child, (nn.Linear, Experts)) and all(child is not k for k in kept)]
+    for parent, name, child in swaps:
+        int8 = (Int8Experts.from_experts(child) if isinstance(child, Experts)
+                else Int8Linear.from_linear(child))
+        setattr(parent, name, int8)
+    return len(swaps)
 
 # %% ../../nbs/18_quantization.ipynb #ddccc563
 @torch.inference_mode()
@@ -122,27 +166,47 @@ def q8_0_to_int8(data: np.ndarray, dtype: torch.dtype = torch.bfloat16):
     return quantize_int8(values, dtype)
 
 def gguf_q8_0_tensors(file, dtype: torch.dtype = torch.bfloat16) -> dict:
-    "A GGUF's Q8_0 matrices as {Hugging Face name: (q [out, in] int8, scale [out])}."
+    "A GGUF's Q8_0 matrices as {Hugging Face name: (q [out, in] int8, scale [out])}, per expert."
     from gguf import GGMLQuantizationType
     reader = _open_gguf(file)
     tied = all(t.name != 'output.weight' for t in reader.tensors)
     config = ModelConfig.from_gguf_metadata(_gguf_fields(reader), tie_word_embeddings=tied)
     tensors = {}
     for t in reader.tensors:
-        if t.tensor_type != GGMLQuantizationType.Q8_0 or len(t.shape) != 2:
+        if t.tensor_type != GGMLQuantizationType.Q8_0 or len(t.shape) < 2:
             continue
         name = map_gguf_name(t.name)
-        q, scale = q8_0_to_int8(t.data, dtype)
+        rows = t.data.shape[:-1]                     # [out], or [E, out] for stacked experts
+        q, scale = q8_0_to_int8(t.data.reshape(-1, t.data.shape[-1]), dtype)
+        q, scale = q.view(*rows, -1), scale.view(rows)
         if config.model_type == 'llama' and name.endswith(('q_proj.weight', 'k_proj.weight')):
             # rows move with their scales: per-row quantization commutes with the permutation
             heads = config.num_attention_heads if 'q_proj' in name else config.num_key_value_heads
             q, scale = unpermute_qk(q, heads), unpermute_qk(scale, heads)
-        tensors[name] = (q, scale)
+        for (matrix_name, matrix), (_, row_scale) in zip(per_expert(name, q),
+                                                         per_expert(name, scale)):
+            tensors[matrix_name] = (matrix, row_scale)
     return tensors
+
+def _int8_rows(model: nn.Module, hf_name: str):
+    "The int8 matrix and scales that checkpoint matrix `hf_name` fills, and its first row; or None."
+    name, shard = map_hf_name(hf_name)
+    if name == 'model.embed_tokens.weight' and model.config.tie_word_embeddings:
+        name = 'lm_head.weight'                           # the tied head reads the same matrix
+    owner, param = name.rsplit('.', 1)
+    module = model.get_submodule(owner)
+    if isinstance(module, Int8Experts):                   # shard: (expert, 0 gate | 1 up | 0 down)
+        expert, part = shard
+        weight = getattr(module, param)[expert]           # [2I, H] or [H, I]
+        rows = len(weight) // (2 if param == 'gate_up_proj' else 1)
+        return weight, getattr(module, f'{param}_scale')[expert], part * rows
+    if isinstance(module, Int8Linear):
+        return module.weight, module.weight_scale, sum(module.out_sizes[:shard]) if shard else 0
+    return None                                 # the embedding, a router, or a head kept float
 
 @torch.no_grad()
 def load_q8_0(model: nn.Module, file, rank_slice=None) -> int:
-    "Refill a quantized model's Int8Linears from its GGUF's Q8_0 blocks; return how many matrices."
+    "Refill a quantized model's int8 matrices from its GGUF's Q8_0 blocks; return how many."
     int8s = [m for m in model.modules() if isinstance(m, Int8Linear)]
     if not int8s:
         raise ValueError("the model has no Int8Linear: call quantize_model(model, 'int8') first")
@@ -150,14 +214,10 @@ def load_q8_0(model: nn.Module, file, rank_slice=None) -> int:
     for hf_name, (q, scale) in gguf_q8_0_tensors(file, int8s[0].weight_scale.dtype).items():
         if rank_slice is not None:      # tensor parallelism (chapter 19): this rank's slice
             q, scale = rank_slice(hf_name, q, scale)
-        name, shard = map_hf_name(hf_name)
-        if name == 'model.embed_tokens.weight' and model.config.tie_word_embeddings:
-            name = 'lm_head.weight'                       # the tied head reads the same matrix
-        module = model.get_submodule(name.removesuffix('.weight'))
-        if not isinstance(module, Int8Linear):
-            continue                                      # the embedding, or a head kept float
-        start = sum(module.out_sizes[:shard]) if shard else 0
-        module.weight[start:start + len(q)] = q
-        module.weight_scale[start:start + len(q)] = scale
+        if (target := _int8_rows(model, hf_name)) is None:
+            continue
+        weight, weight_scale, start = target
+        weight[start:start + len(q)] = q
+        weight_scale[start:start + len(q)] = scale
         loaded += 1
     return loaded
