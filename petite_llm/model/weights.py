@@ -336,7 +336,7 @@ def unpermute_qk(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
 
 # %% ../../nbs/06_weights.ipynb #50ddd89a
 def gguf_tensors(reader, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
-    "Each matrix of an open GGUF as (Hugging Face name, dequantized float32 [out, in]), unpermuted."
+    "Each tensor of an open GGUF as (Hugging Face name, dequantized float32), one per expert."
     from gguf.quants import dequantize
     for t in reader.tensors:
         if t.name == 'rope_freqs.weight':                 # RoPE's divisors: config (chapter 00)
