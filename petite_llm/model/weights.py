@@ -18,8 +18,8 @@ from .qwen3 import Qwen3ForCausalLM
 
 # %% auto #0
 __all__ = ['resolve_model_path', 'checkpoint_files', 'map_hf_name', 'load_weights', 'load_safetensors', 'weights_nbytes',
-           'smollm2_gguf_path', 'qwen25_coder_gguf_path', 'map_gguf_name', 'permute_qk', 'unpermute_qk', 'gguf_tensors',
-           'load_gguf', 'checkpoint_path', 'load_model']
+           'smollm2_gguf_path', 'qwen25_coder_gguf_path', 'map_gguf_name', 'per_expert', 'permute_qk', 'unpermute_qk',
+           'gguf_tensors', 'load_gguf', 'checkpoint_path', 'load_model']
 
 # %% ../../nbs/06_weights.ipynb #0070e9c9
 _HUB_PATTERNS = ['*.json', '*.safetensors', 'tokenizer*', 'vocab*', 'merges.txt', '*.tiktoken']
@@ -292,7 +292,17 @@ _GGUF_BLOCK = {'attn_norm':   'input_layernorm',
                'ffn_norm':    'post_attention_layernorm',
                'ffn_gate':    'mlp.gate_proj',
                'ffn_up':      'mlp.up_proj',
-               'ffn_down':    'mlp.down_proj'}
+               'ffn_down':    'mlp.down_proj',
+               # mixture of experts: the router, the stacked experts (`*`: every expert), and
+               # Qwen2-MoE's shared expert with its gate
+               'ffn_gate_inp':       'mlp.gate',
+               'ffn_gate_exps':      'mlp.experts.*.gate_proj',
+               'ffn_up_exps':        'mlp.experts.*.up_proj',
+               'ffn_down_exps':      'mlp.experts.*.down_proj',
+               'ffn_gate_shexp':     'mlp.shared_expert.gate_proj',
+               'ffn_up_shexp':       'mlp.shared_expert.up_proj',
+               'ffn_down_shexp':     'mlp.shared_expert.down_proj',
+               'ffn_gate_inp_shexp': 'mlp.shared_expert_gate'}
 
 def map_gguf_name(name: str) -> str:
     "A GGUF tensor name as its Hugging Face name: `blk.3.attn_q.weight` → `model.layers.3.…`."
@@ -302,6 +312,14 @@ def map_gguf_name(name: str) -> str:
     if (match := re.fullmatch(r'blk\.(\d+)\.(\w+)', base)) and match[2] in _GGUF_BLOCK:
         return f'model.layers.{match[1]}.{_GGUF_BLOCK[match[2]]}.{kind}'
     return name          # unknown: load_weights will list it as unexpected
+
+def per_expert(name: str, tensor: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
+    "(name, tensor), or for an experts pattern [E, out, in] each expert's (name, [out, in])."
+    if '*' not in name:
+        yield name, tensor
+        return
+    for expert, matrix in enumerate(tensor):
+        yield name.replace('*', str(expert)), matrix
 
 # %% ../../nbs/06_weights.ipynb #7186d19d
 def permute_qk(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -318,7 +336,7 @@ def unpermute_qk(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
 
 # %% ../../nbs/06_weights.ipynb #50ddd89a
 def gguf_tensors(reader, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
-    "Each tensor of an open GGUF as (Hugging Face name, dequantized float32 [out, in]), unpermuted."
+    "Each tensor of an open GGUF as (Hugging Face name, dequantized float32), one per expert."
     from gguf.quants import dequantize
     for t in reader.tensors:
         if t.name == 'rope_freqs.weight':                 # RoPE's divisors: config (chapter 00)
@@ -331,7 +349,9 @@ def gguf_tensors(reader, config: ModelConfig) -> Iterator[tuple[str, torch.Tenso
         if config.model_type == 'llama' and name.endswith(('q_proj.weight', 'k_proj.weight')):
             n_heads = config.num_attention_heads if 'q_proj' in name else config.num_key_value_heads
             weight = unpermute_qk(weight, n_heads)
-        yield name, weight
+        if name.endswith('.shared_expert_gate.weight'):   # llama.cpp reads it as [H]
+            weight = weight.reshape(1, -1)                 # [1, H], the Linear's shape
+        yield from per_expert(name, weight)
 
 # %% ../../nbs/06_weights.ipynb #76e36f20
 def _gguf_dtype(reader) -> torch.dtype:
