@@ -138,12 +138,13 @@ def test_quantize_model_keeps_routers_float_and_logits_close(checkpoints, arch):
     assert (after.argmax(-1) == before.argmax(-1)).float().mean() > 0.9
 
 
+@pytest.mark.parametrize('backend', ['torch', 'triton'])
 @pytest.mark.parametrize('arch', list(CASES))
-def test_engine_int8_moe_equals_the_int8_reference(checkpoints, arch):
-    "LLM(path, quantization='int8'), batched and chunked: the int8 model's own greedy (float64)."
+def test_engine_int8_moe_equals_the_int8_reference(checkpoints, arch, backend):
+    "LLM(path, quantization='int8'), batched and chunked, either backend: the int8 model's greedy."
     path, _ = checkpoints[arch]
     llm = LLM(path, quantization='int8', dtype=torch.float64, block_size=4,
-              kv_cache_memory=2**22, max_num_batched_tokens=8)
+              kv_cache_memory=2**22, max_num_batched_tokens=8, attention_backend=backend)
     assert all(isinstance(m.experts, Int8Experts) for m in llm.engine.runner.model.modules()
                if isinstance(m, SparseMoeBlock))
     batch = prompts(VOCAB, [3, 11, 6], seed=5)

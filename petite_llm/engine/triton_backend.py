@@ -56,7 +56,7 @@ from torch import nn
 
 from .fused import cos_sin_cache, qk_norm_rope_store, silu_and_mul
 from .fused_moe import fused_experts
-from ..model.moe import SparseMoeBlock
+from ..model.moe import Experts, SparseMoeBlock
 
 class FusedModelBody(nn.Module):
     "model.model with fused kernels on the paged path: 9 launches per decoder layer, same weights."
@@ -93,5 +93,6 @@ class FusedModelBody(nn.Module):
         norm = layer.post_attention_layernorm
         x, residual = fused_add_rms_norm(hidden, residual, norm.weight, norm.eps)
         if isinstance(mlp, SparseMoeBlock):    # chapter 22: the experts in two grouped GEMMs
-            return mlp(x, experts_forward=fused_experts), residual
+            fused = isinstance(mlp.experts, Experts)   # int8 experts (chapter 18) run their own
+            return mlp(x, experts_forward=fused_experts if fused else None), residual
         return mlp.down_proj(silu_and_mul(mlp.gate_up_proj(x))), residual
