@@ -71,7 +71,8 @@ class Sequence:
     @property
     def is_decoding(self) -> bool:
         "A decode: it has output tokens and only the newest is uncomputed (the one rule for it)."
-        num_tokens = self.num_tokens
+        # read per sequence per step: no nested properties
+        num_tokens = len(self.token_ids)
         return num_tokens > self.num_prompt_tokens and self.num_computed_tokens == num_tokens - 1
 
     def __repr__(self):
@@ -386,6 +387,13 @@ def num_tokens(self: Sequence) -> int:
     return len(self.token_ids) + self.num_pending
 
 @patch(as_prop=True)
+def is_decoding(self: Sequence) -> bool:
+    "A decode: it has output tokens and only the newest, pending or not, is uncomputed."
+    # read per sequence per step: no nested properties
+    num_tokens = len(self.token_ids) + self.num_pending
+    return num_tokens > self.num_prompt_tokens and self.num_computed_tokens == num_tokens - 1
+
+@patch(as_prop=True)
 def input_ids(self: SchedulerOutput) -> list[int]:
     "The flat batch; a pending token's id is a placeholder 0, filled in on the device."
     ids = []
@@ -469,11 +477,13 @@ _batch_without_drafts = Scheduler._batch
 @patch
 def _batch(self: Scheduler, scheduled: dict[Sequence, int]) -> SchedulerOutput:
     "Chapter 12's output, the verifies after the plain decodes, and the drafts each one verifies."
-    # stable sorts: verifies last here, then decodes first keeps them after the other decodes
-    scheduled = dict(sorted(scheduled.items(), key=lambda item: bool(item[0].spec_token_ids)))
-    drafts = {seq: list(seq.spec_token_ids) if seq.is_decoding else [] for seq in scheduled}
+    drafts = {seq: list(seq.spec_token_ids) for seq in scheduled
+              if seq.spec_token_ids and seq.is_decoding}
+    if any(seq.spec_token_ids for seq in scheduled):
+        # stable sorts: verifies last here, then decodes first keeps them after the other decodes
+        scheduled = dict(sorted(scheduled.items(), key=lambda item: bool(item[0].spec_token_ids)))
     out = _batch_without_drafts(self, scheduled)
-    out.spec_token_ids = [drafts[seq] for seq in out.seqs]      # [] for most
+    out.spec_token_ids = [drafts.get(seq, []) for seq in out.seqs]
     return out
 
 _input_ids_without_drafts = SchedulerOutput.input_ids.fget
