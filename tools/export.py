@@ -3,7 +3,7 @@
 nbdev 2 writes a notebook's `#| default_exp` module afresh (its docstring: the notebook's
 `> summary`), but *appends* the cells of `#| export other` to an existing `other.py`, and refuses
 to create it. A module that no notebook names in `#| default_exp` (petite_llm/engine/backends.py,
-fed by chapter 11; petite_llm/model/layers/linear.py, fed by chapters 03 and 14) would so gain a
+fed by chapter 11; petite_llm/model/layers/linear.py, fed by chapters 03 and 14b) would so gain a
 second copy of its cells at every export. This script first resets each such module to a header
 whose docstring is the `# petite_llm.NAME: what it holds` line of the first cell that exports to
 it (a default_exp module with such a line gets it too, in place of the summary), writes each subpackage's `__init__.py` from PACKAGES, then runs nbdev_export, so `make export`

@@ -14,7 +14,7 @@ IMAGES = ROOT / 'images'
 HASH_KEY = 'petite_llm'
 
 _directive_line = re.compile(r'^\s*#\s*\|')
-_chapter_name = re.compile(r'^\d+_.+\.ipynb$')
+_chapter_name = re.compile(r'^\d+[a-z]?_.+\.ipynb$')
 
 
 # what a saved output must not show: the machine that ran it, or a progress bar redrawn in place
@@ -59,7 +59,7 @@ def test_flags() -> set[str]:
 
 
 def chapters(nbs: Path = NBS) -> list[Path]:
-    """Chapter notebooks (`NN_name.ipynb`) in book order."""
+    """Chapter notebooks (`NN_name.ipynb`, or `NNb_name.ipynb` after NN) in book order."""
     return sorted(p for p in nbs.glob('*.ipynb') if _chapter_name.match(p.name))
 
 

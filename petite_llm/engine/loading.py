@@ -5,7 +5,7 @@
 from __future__ import annotations
 
 # %% auto 0
-__all__ = ['logger', 'ATTENTION_BACKENDS', 'native_bf16', 'default_dtype', 'get_attention_backend', 'load_engine_model', 'read_generation_config']
+__all__ = ['logger', 'ATTENTION_BACKENDS', 'get_attention_backend', 'load_engine_model', 'read_generation_config', 'native_bf16', 'default_dtype']
 
 # %% ../../nbs/14_engine.ipynb #96344529
 # petite_llm.engine.loading: a model for the engine: dtype, attention backend, weights
@@ -25,29 +25,6 @@ from ..model.weights import checkpoint_path, load_model, resolve_model_path
 
 # the engine's start-up log, under one name with engine.py's
 logger = logging.getLogger('petite_llm.engine')
-
-# %% ../../nbs/14_engine.ipynb #3ca2999d
-def native_bf16(device) -> str | None:
-    "What computes bfloat16 natively on `device` (None if nothing): a GPU's, AMX or AVX512-BF16."
-    device = torch.device(device)
-    if device.type == 'cuda':
-        return 'the GPU' if torch.cuda.is_bf16_supported() else None
-    if device.type == 'cpu' and torch.cpu._is_amx_tile_supported():
-        return 'AMX'
-    if device.type == 'cpu' and torch.cpu._is_avx512_bf16_supported():
-        return 'AVX512-BF16'
-    return None
-
-def default_dtype(device) -> torch.dtype:
-    "The dtype when none is asked for: bf16 where native or AVX512, else fp16 (GPU) or fp32 (CPU)."
-    device = torch.device(device)
-    if native_bf16(device):
-        return torch.bfloat16
-    if device.type == 'cuda':
-        return torch.float16
-    # AVX512 widens bfloat16 cheaply enough to keep its halved bytes worth it (measured below)
-    avx512 = torch.backends.cpu.get_cpu_capability() == 'AVX512'
-    return torch.bfloat16 if avx512 else torch.float32
 
 # %% ../../nbs/14_engine.ipynb #94b298ab
 ATTENTION_BACKENDS = ('auto', 'torch', 'triton')
@@ -121,3 +98,26 @@ def read_generation_config(path) -> dict:
         return {}
     file = Path(path) / 'generation_config.json'
     return json.loads(file.read_text()) if file.is_file() else {}
+
+# %% ../../nbs/14b_engine_performance.ipynb #3ca2999d
+def native_bf16(device) -> str | None:
+    "What computes bfloat16 natively on `device` (None if nothing): a GPU's, AMX or AVX512-BF16."
+    device = torch.device(device)
+    if device.type == 'cuda':
+        return 'the GPU' if torch.cuda.is_bf16_supported() else None
+    if device.type == 'cpu' and torch.cpu._is_amx_tile_supported():
+        return 'AMX'
+    if device.type == 'cpu' and torch.cpu._is_avx512_bf16_supported():
+        return 'AVX512-BF16'
+    return None
+
+def default_dtype(device) -> torch.dtype:
+    "The dtype when none is asked for: bf16 where native or AVX512, else fp16 (GPU) or fp32 (CPU)."
+    device = torch.device(device)
+    if native_bf16(device):
+        return torch.bfloat16
+    if device.type == 'cuda':
+        return torch.float16
+    # AVX512 widens bfloat16 cheaply enough to keep its halved bytes worth it (measured below)
+    avx512 = torch.backends.cpu.get_cpu_capability() == 'AVX512'
+    return torch.bfloat16 if avx512 else torch.float32

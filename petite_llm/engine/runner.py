@@ -5,7 +5,7 @@
 from __future__ import annotations
 
 # %% auto 0
-__all__ = ['OPAQUE_ATTENTION', 'ModelRunnerOutput', 'ModelRunner', 'StepInFlight', 'build_runner', 'cuda_graph_batch_sizes', 'capture_cuda_graph', 'CUDAGraphs', 'step_attention', 'OpaqueAttention', 'compile_model', 'run_compiled']
+__all__ = ['ModelRunnerOutput', 'ModelRunner', 'StepInFlight', 'build_runner', 'OPAQUE_ATTENTION', 'cuda_graph_batch_sizes', 'capture_cuda_graph', 'CUDAGraphs', 'step_attention', 'OpaqueAttention', 'compile_model', 'run_compiled']
 
 # %% ../../nbs/14_engine.ipynb #e683d599
 # petite_llm.engine.runner: the model runner: tensors, forward, sampling, CUDA graphs
@@ -228,7 +228,7 @@ def build_runner(model: nn.Module, config: EngineConfig, sizes: EngineSizes,
         runner.capture_cuda_graphs(sizes.max_num_seqs, sizes.max_model_len)
     return runner
 
-# %% ../../nbs/14_engine.ipynb #961fdedd
+# %% ../../nbs/14b_engine_performance.ipynb #961fdedd
 def cuda_graph_batch_sizes(max_num_seqs: int) -> list[int]:
     "Batch sizes to record: the powers of two below max_num_seqs, then max_num_seqs itself."
     sizes = [1]
@@ -309,7 +309,7 @@ class CUDAGraphs:
         replay()
         return hidden[:num_seqs]
 
-# %% ../../nbs/14_engine.ipynb #bdcd5818
+# %% ../../nbs/14b_engine_performance.ipynb #bdcd5818
 # the metadata of the step a compiled model is running, for its attention op to read
 _step_metadata: ContextVar[AttentionMetadata] = ContextVar('petite_llm_step_metadata')
 

@@ -39,8 +39,6 @@ class Sequence:
         self.num_computed_tokens = 0   # tokens whose K/V are in the cache
         self.num_cached_tokens = 0     # of those, found in the prefix cache at the last admission
         self.block_table: list[int] = []
-        self.spec_token_ids: list[int] = []   # drafts its next decode verifies (chapter 15)
-        self.num_pending = 0           # sampled by a scheduled step, not appended yet
         self.stop_ids: set[int] = set()   # eos and stop token ids, set by Scheduler.add
         self.grammar = None            # its grammar's matcher, if constrained (chapter 21)
         self.arrival = -1              # set by Scheduler.add: first come, first served
@@ -51,7 +49,7 @@ class Sequence:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.token_ids) + self.num_pending
+        return len(self.token_ids)
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -74,7 +72,7 @@ class Sequence:
     def is_decoding(self) -> bool:
         "A decode: it has output tokens and only the newest is uncomputed (the one rule for it)."
         # read per sequence per step: no nested properties
-        num_tokens = len(self.token_ids) + self.num_pending
+        num_tokens = len(self.token_ids)
         return num_tokens > self.num_prompt_tokens and self.num_computed_tokens == num_tokens - 1
 
     def __repr__(self):
@@ -87,10 +85,9 @@ class Sequence:
 class SchedulerOutput:
     "One step's work: who computes how many tokens (decodes first), who samples, who was preempted."
     seqs: list[Sequence]
-    num_new_tokens: list[int]          # a decode's count includes the drafts it verifies
+    num_new_tokens: list[int]          # tokens each computes this step
     num_computed_tokens: list[int]     # tokens already in the cache for each, before this step
-    spec_token_ids: list[list[int]]    # the drafts each verifies after its last token (mostly [])
-    do_sample: list[bool]              # the step reaches the sequence's last token (and drafts)
+    do_sample: list[bool]              # the step reaches the sequence's last token
     num_decodes: int                   # the first num_decodes sequences are decodes
     preempted_ids: list[int]
 
@@ -106,30 +103,17 @@ class SchedulerOutput:
 
     @property
     def input_ids(self) -> list[int]:
-        "The flat batch: each sequence's new token ids, then the drafts it verifies, in order."
+        "The flat batch: each sequence's new token ids, in order."
         ids = []
-        rows = zip(self.seqs, self.num_computed_tokens, self.num_new_tokens, self.spec_token_ids)
-        for seq, done, new, drafts in rows:
-            if new == 1 and not drafts:
-                # a decode, the common case: one token; a placeholder while it is pending (async)
-                token_ids = seq.token_ids
-                ids.append(token_ids[done] if done < len(token_ids) else 0)
-                continue
-            # a step that runs past the last token runs the drafts after it
-            ids += seq.token_ids[done:done + new] + drafts[:max(done + new - len(seq.token_ids), 0)]
+        for seq, done, new in zip(self.seqs, self.num_computed_tokens, self.num_new_tokens):
+            ids += seq.token_ids[done:done + new]
         return ids
 
     @property
     def logits_indices(self) -> list[int]:
-        "Rows whose logits are needed: per sequence that samples, its last token's and its drafts'."
+        "Rows whose logits are needed: the last token's of each sequence that samples."
         ends = itertools.accumulate(self.num_new_tokens)       # where each sequence's rows end
-        if not any(self.spec_token_ids):                        # no drafts: one row per sequence
-            return [end - 1 for end, samples in zip(ends, self.do_sample) if samples]
-        indices = []
-        for end, drafts, samples in zip(ends, self.spec_token_ids, self.do_sample):
-            if samples:
-                indices += range(end - 1 - len(drafts), end)
-        return indices
+        return [end - 1 for end, samples in zip(ends, self.do_sample) if samples]
 
     def __len__(self):
         return len(self.seqs)
@@ -208,7 +192,6 @@ class Scheduler:
         self.block_manager.free(seq)
         self.running.remove(seq)
         seq.num_computed_tokens, seq.status = 0, SequenceStatus.WAITING
-        seq.spec_token_ids = []               # proposed afresh when it decodes again
         seq.num_preemptions += 1
         self.num_preemptions += 1
         self._preempted.append(seq.seq_id)
@@ -238,11 +221,9 @@ class Scheduler:
                    for s in self.running)
 
     def _num_new_tokens(self, seq: Sequence, budget: int) -> int:
-        "Tokens seq computes this step: a prefill chunk, or its decode with all its drafts (or 0)."
+        "Tokens seq computes this step (budget > 0): a prefill chunk, or its decode's one token."
         if seq.is_decoding:
-            # the last token and every draft after it, or nothing this step: a verify never splits
-            num_new = 1 + len(seq.spec_token_ids)
-            return num_new if num_new <= budget else 0
+            return 1
         # a recompute after preemption stops before the last token, which then runs as a decode
         end = seq.num_tokens - 1 if seq.num_output_tokens else seq.num_tokens
         return min(end - seq.num_computed_tokens, budget)
@@ -259,15 +240,13 @@ class Scheduler:
         def decodes_first(seq):
             return (not seq.is_decoding, seq.urgency)
 
-        # 1. running sequences: decodes (one token left to compute, and its drafts) first, then
-        #    unfinished prefills; urgent first
+        # 1. running sequences: decodes (one token left to compute) first, then unfinished
+        #    prefills; urgent first
         for seq in sorted(self.running, key=decodes_first):
             if budget() == 0:
                 break
             if seq.status is not SequenceStatus.RUNNING:
                 continue                          # preempted a moment ago
-            if seq.num_pending and self._at_length(seq, seq.num_tokens):
-                continue                          # its pending token is its last
             num_new = self._num_new_tokens(seq, budget())
             if num_new and self._make_room(seq, lambda: bm.can_append(seq, num_new), scheduled):
                 bm.append_slots(seq, num_new)
@@ -291,45 +270,32 @@ class Scheduler:
                 scheduled[seq] = num_new
                 self._num_scheduled_tokens += num_new
 
-        # decodes first (those verifying drafts after the others), then prefill chunks; stable
-        order = sorted(scheduled, key=lambda s: (not s.is_decoding, bool(s.spec_token_ids)))
+        out = self._batch(scheduled)
+        self._advance(out)
+        return out
+
+    def _batch(self, scheduled: dict[Sequence, int]) -> SchedulerOutput:
+        "The step's output: decodes first, then prefill chunks (a stable sort), and who samples."
+        order = sorted(scheduled, key=lambda s: not s.is_decoding)
         num_decodes = sum(seq.is_decoding for seq in order)
         num_new_tokens = [scheduled[seq] for seq in order]
         num_computed_tokens = [seq.num_computed_tokens for seq in order]
-        spec_token_ids = [list(seq.spec_token_ids) if seq.is_decoding else [] for seq in order]
-        do_sample = [done + new == seq.num_tokens + len(drafts) for seq, done, new, drafts
-                     in zip(order, num_computed_tokens, num_new_tokens, spec_token_ids)]
-        # advanced now, not in update(): with async scheduling the next schedule() comes first
-        for seq, new, samples in zip(order, num_new_tokens, do_sample):
-            seq.num_computed_tokens += new
-            seq.num_pending += samples            # a placeholder for the token it will sample
+        # the step reaches the sequence's last token: its logits give the next one
+        do_sample = [done + new >= seq.num_tokens for seq, done, new
+                     in zip(order, num_computed_tokens, num_new_tokens)]
         preempted, self._preempted = self._preempted, []
-        return SchedulerOutput(order, num_new_tokens, num_computed_tokens, spec_token_ids,
-                               do_sample, num_decodes, preempted_ids=preempted)
+        return SchedulerOutput(order, num_new_tokens, num_computed_tokens, do_sample,
+                               num_decodes, preempted_ids=preempted)
+
+    def _advance(self, out: SchedulerOutput):
+        "Count the step's tokens as computed when it is scheduled: update() only appends samples."
+        for seq, new in zip(out.seqs, out.num_new_tokens):
+            seq.num_computed_tokens += new
 
     def _at_length(self, seq: Sequence, num_tokens: int) -> bool:
         "True when num_tokens tokens of seq reach its max_tokens (as output) or max_model_len."
         return (num_tokens - seq.num_prompt_tokens >= seq.sampling_params.max_tokens
                 or num_tokens >= self.max_model_len)
-
-    def reserve(self, seq: Sequence, num_tokens: int) -> bool:
-        "Slots for seq's next num_tokens tokens before schedule(), preempting less urgent ones."
-        # False: seq itself was preempted. A draft model writes its K/V ahead of the verify step.
-        if not self._make_room(seq, lambda: self.block_manager.can_append(seq, num_tokens), {}):
-            return False
-        self.block_manager.append_slots(seq, num_tokens)
-        return True
-
-    def awaiting_drafts(self) -> list[Sequence]:
-        "Running sequences whose next step is a decode without drafts yet, most urgent first."
-        decoding = [seq for seq in self.running if seq.is_decoding and not seq.spec_token_ids]
-        return sorted(decoding, key=lambda s: s.urgency)
-
-    def max_drafts(self, seq: Sequence, num_speculative_tokens: int) -> int:
-        "Drafts seq's next decode may verify: none past max_tokens or max_model_len, within budget."
-        room = min(seq.sampling_params.max_tokens - seq.num_output_tokens,
-                   self.max_model_len - seq.num_tokens, self.max_num_batched_tokens) - 1
-        return max(0, min(num_speculative_tokens, room))
 
     def _stop(self, seq: Sequence) -> str | None:
         "Why seq stops after its newest token, or None: a stop token, max_tokens, max_model_len."
@@ -343,33 +309,31 @@ class Scheduler:
             return 'length'
         return None
 
+    def _append(self, seq: Sequence, tokens: list[int]) -> str | None:
+        "Append seq's sampled tokens, each through the stop checks; why it stops now, or None."
+        for token in tokens:
+            seq.token_ids.append(int(token))
+            if reason := self._stop(seq):
+                return reason
+        return None
+
     def update(self, out: SchedulerOutput, sampled) -> list[Sequence]:
-        "Record a step: sampled tokens for the pending ones, hash full blocks; return who finished."
-        # sampled: {seq_id: token or list of tokens}, or a list in the order of out.sampling_seqs;
-        # a sequence that verified d drafts gets its accepted drafts and one token more
+        "Record a step: the sampled tokens appended, full blocks hashed; return who finished."
+        # sampled: {seq_id: token or list of tokens}, or a list in the order of out.sampling_seqs
         if not isinstance(sampled, dict):
             sampled = dict(zip([seq.seq_id for seq in out.sampling_seqs], sampled))
         finished = []
-        for seq, drafts, samples in zip(out.seqs, out.spec_token_ids, out.do_sample):
-            seq.num_pending -= samples            # schedule() advanced num_computed_tokens
+        for seq, samples in zip(out.seqs, out.do_sample):
             if seq.status is SequenceStatus.FINISHED:
-                continue                          # stopped (or aborted) since: token dropped
+                continue                          # aborted since schedule(): its token is dropped
             reason = None
             if samples:
                 tokens = sampled[seq.seq_id]
-                tokens = list(tokens) if isinstance(tokens, (list, tuple)) else [tokens]
-                assert 1 <= len(tokens) <= len(drafts) + 1, (seq.seq_id, tokens, drafts)
-                # rejected drafts: their K/V is stale, computed over when their positions come
-                seq.num_computed_tokens -= len(drafts) + 1 - len(tokens)
-                seq.spec_token_ids = []
-                for token in tokens:
-                    seq.token_ids.append(int(token))
-                    reason = self._stop(seq)
-                    if reason:
-                        break
+                reason = self._append(seq, list(tokens) if isinstance(tokens, (list, tuple))
+                                      else [tokens])
             if seq.status is SequenceStatus.RUNNING:
                 # hash only now: these tokens are computed (a sequence preempted since schedule()
-                # holds no blocks, but keeps the token it sampled: async scheduling)
+                # holds no blocks; chapter 14 preempts in between)
                 self.block_manager.commit(seq)
             if reason:
                 self._finish(seq, reason)
@@ -407,3 +371,165 @@ class Scheduler:
                               kv_blocks_used=bm.num_used_blocks, kv_blocks_total=bm.num_blocks,
                               prefix_cache_hit_rate=bm.prefix_hit_rate,
                               num_preemptions=self.num_preemptions)
+
+# %% ../../nbs/14_engine.ipynb #e14as002
+import functools
+import inspect
+
+from fastcore.basics import patch
+
+# a token sampled by a step that is scheduled but not yet appended: 0, or 1 while it is in flight
+Sequence.num_pending = 0
+
+@patch(as_prop=True)
+def num_tokens(self: Sequence) -> int:
+    "Its tokens, the pending one included: the next step treats it as the newest."
+    return len(self.token_ids) + self.num_pending
+
+@patch(as_prop=True)
+def is_decoding(self: Sequence) -> bool:
+    "A decode: it has output tokens and only the newest, pending or not, is uncomputed."
+    # read per sequence per step: no nested properties
+    num_tokens = len(self.token_ids) + self.num_pending
+    return num_tokens > self.num_prompt_tokens and self.num_computed_tokens == num_tokens - 1
+
+@patch(as_prop=True)
+def input_ids(self: SchedulerOutput) -> list[int]:
+    "The flat batch; a pending token's id is a placeholder 0, filled in on the device."
+    ids = []
+    for seq, done, new in zip(self.seqs, self.num_computed_tokens, self.num_new_tokens):
+        if new == 1:
+            # a decode, the common case: one token
+            token_ids = seq.token_ids
+            ids.append(token_ids[done] if done < len(token_ids) else 0)
+        else:
+            ids += seq.token_ids[done:done + new]
+    return ids
+
+@patch
+def _advance(self: Scheduler, out: SchedulerOutput):
+    "Count the step's tokens as computed, and give each sequence that samples a pending token."
+    for seq, new, samples in zip(out.seqs, out.num_new_tokens, out.do_sample):
+        seq.num_computed_tokens += new
+        seq.num_pending += samples
+
+_num_new_tokens_known = Scheduler._num_new_tokens
+
+@patch
+def _num_new_tokens(self: Scheduler, seq: Sequence, budget: int) -> int:
+    "Nothing for a sequence whose pending token will be its last; else chapter 12's count."
+    if seq.num_pending and self._at_length(seq, seq.num_tokens):
+        return 0
+    return _num_new_tokens_known(self, seq, budget)
+
+# chapter 12's update: unwrap, so that running this cell again does not take a token back twice
+_update_known = inspect.unwrap(Scheduler.update)
+
+@patch
+@functools.wraps(_update_known, assigned=())
+def update(self: Scheduler, out: SchedulerOutput, sampled) -> list[Sequence]:
+    "Chapter 12's update, after each sampled token stops being pending."
+    for seq, samples in zip(out.seqs, out.do_sample):
+        seq.num_pending -= samples
+    return _update_known(self, out, sampled)
+
+# %% ../../nbs/15_speculative.ipynb #s15sc002
+from fastcore.basics import patch
+
+# the drafts its next decode verifies: a proposer assigns them, nothing changes them in place
+Sequence.spec_token_ids = ()
+
+@patch
+def awaiting_drafts(self: Scheduler) -> list[Sequence]:
+    "Running sequences whose next step is a decode without drafts yet, most urgent first."
+    decoding = [seq for seq in self.running if seq.is_decoding and not seq.spec_token_ids]
+    return sorted(decoding, key=lambda s: s.urgency)
+
+@patch
+def max_drafts(self: Scheduler, seq: Sequence, num_speculative_tokens: int) -> int:
+    "Drafts seq's next decode may verify: none past max_tokens or max_model_len, within budget."
+    room = min(seq.sampling_params.max_tokens - seq.num_output_tokens,
+               self.max_model_len - seq.num_tokens, self.max_num_batched_tokens) - 1
+    return max(0, min(num_speculative_tokens, room))
+
+@patch
+def reserve(self: Scheduler, seq: Sequence, num_tokens: int) -> bool:
+    "Slots for seq's next num_tokens tokens before schedule(), preempting less urgent ones."
+    # False: seq itself was preempted. A draft model writes its K/V ahead of the verify step.
+    if not self._make_room(seq, lambda: self.block_manager.can_append(seq, num_tokens), {}):
+        return False
+    self.block_manager.append_slots(seq, num_tokens)
+    return True
+
+# %% ../../nbs/15_speculative.ipynb #s15sc004
+_num_new_tokens_one = Scheduler._num_new_tokens
+
+@patch
+def _num_new_tokens(self: Scheduler, seq: Sequence, budget: int) -> int:
+    "A decode with drafts computes its last token and every draft, or nothing: it never splits."
+    if seq.spec_token_ids and seq.is_decoding:
+        num_new = 1 + len(seq.spec_token_ids)
+        return num_new if num_new <= budget else 0
+    return _num_new_tokens_one(self, seq, budget)
+
+_batch_without_drafts = Scheduler._batch
+
+@patch
+def _batch(self: Scheduler, scheduled: dict[Sequence, int]) -> SchedulerOutput:
+    "Chapter 12's output, the verifies after the plain decodes, and the drafts each one verifies."
+    drafts = {seq: list(seq.spec_token_ids) for seq in scheduled
+              if seq.spec_token_ids and seq.is_decoding}
+    if any(seq.spec_token_ids for seq in scheduled):
+        # stable sorts: verifies last here, then decodes first keeps them after the other decodes
+        scheduled = dict(sorted(scheduled.items(), key=lambda item: bool(item[0].spec_token_ids)))
+    out = _batch_without_drafts(self, scheduled)
+    out.spec_token_ids = [drafts.get(seq, []) for seq in out.seqs]
+    return out
+
+_input_ids_without_drafts = SchedulerOutput.input_ids.fget
+
+@patch(as_prop=True)
+def input_ids(self: SchedulerOutput) -> list[int]:
+    "The flat batch: each sequence's new token ids, then the drafts it verifies, in order."
+    if not any(self.spec_token_ids):
+        return _input_ids_without_drafts(self)
+    ids = []
+    rows = zip(self.seqs, self.num_computed_tokens, self.num_new_tokens, self.spec_token_ids)
+    for seq, done, new, drafts in rows:
+        # a step that runs past the last token runs the drafts after it
+        ids += seq.token_ids[done:done + new] + drafts[:max(done + new - len(seq.token_ids), 0)]
+    return ids
+
+_logits_indices_without_drafts = SchedulerOutput.logits_indices.fget
+
+@patch(as_prop=True)
+def logits_indices(self: SchedulerOutput) -> list[int]:
+    "Rows whose logits are needed: per sequence that samples, its last token's and its drafts'."
+    if not any(self.spec_token_ids):
+        return _logits_indices_without_drafts(self)
+    indices = []
+    ends = itertools.accumulate(self.num_new_tokens)       # where each sequence's rows end
+    for end, drafts, samples in zip(ends, self.spec_token_ids, self.do_sample):
+        if samples:
+            indices += range(end - 1 - len(drafts), end)
+    return indices
+
+_append_without_drafts = Scheduler._append
+
+@patch
+def _append(self: Scheduler, seq: Sequence, tokens: list[int]) -> str | None:
+    "A verify's tokens, its accepted drafts and one more: roll back over the rejected ones first."
+    if drafts := seq.spec_token_ids:
+        assert 1 <= len(tokens) <= len(drafts) + 1, (seq.seq_id, tokens, drafts)
+        # rejected drafts: their K/V is stale, computed over when their positions come
+        seq.num_computed_tokens -= len(drafts) + 1 - len(tokens)
+        seq.spec_token_ids = []
+    return _append_without_drafts(self, seq, tokens)
+
+_preempt_without_drafts = Scheduler._preempt
+
+@patch
+def _preempt(self: Scheduler, seq: Sequence):
+    "Chapter 12's preemption; its drafts go too, proposed afresh when it decodes again."
+    _preempt_without_drafts(self, seq)
+    seq.spec_token_ids = []
