@@ -168,3 +168,19 @@ def test_round_trip_two_calls(client, served):
     assert final.usage.prompt_tokens == len(ids)
     assert final.choices[0].finish_reason in ("stop", "length")
     assert not final.choices[0].message.tool_calls
+
+
+@pytest.mark.parametrize("extra, param", [
+    (dict(extra_body={"structured_outputs": {"regex": "("}}), "structured_outputs.regex"),
+    (dict(extra_body={"structured_outputs": {"choice": ["a"], "regex": "a"}}),
+     "structured_outputs"),
+    (dict(extra_body={"structured_outputs": {"xml": "a"}}), "structured_outputs"),
+    (dict(extra_body=WRITE_REPLY, response_format={"type": "json_object"}), "structured_outputs"),
+    (dict(extra_body=WRITE_REPLY, tool_choice="required"), "tool_choice"),
+])
+def test_structured_outputs_refused(client, served, extra, param):
+    "vLLM's structured_outputs: a bad spec, or one beside another shape, is a 400 naming it."
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=served[1], messages=ASK, tools=TOOLS, max_tokens=4,
+                                       **extra)
+    assert e.value.body["param"] == param, e.value.body
