@@ -218,6 +218,6 @@ class ToolCallStream:
             if self.named:
                 held = _TAIL.search(self.text, self.sent).start()
                 self._arguments(delta, len(self.text) if finished else held)
-            elif finished:
+            elif finished and self.calls == 0:
                 delta['content'] += self.text[self.start - len(TOOL_CALL_START):]
             return delta
