@@ -323,8 +323,7 @@ async def create_chat_completion(server: _Server, req: ChatRequest):
         yield first
 
     splitters = [ThinkSplitter() for _ in range(req.n)]
-    calls = [ToolCallStream(tools.parallel) if tools.tools is not None else None
-             for _ in range(req.n)]
+    calls = [ToolCallStream(tools.parallel) if tools.tools else None for _ in range(req.n)]
 
     def delta_choice(_, c, lps):
         delta = _chat_delta(splitters[c.index], c, calls[c.index])
