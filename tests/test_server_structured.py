@@ -114,17 +114,20 @@ def check_call(call, tools):
 @pytest.mark.parametrize("choice", ["required", {"type": "function",
                                                  "function": {"name": "get_time"}}])
 def test_forced_tool_call(client, served, choice):
+    """One call whose arguments validate, streamed and not. parallel_tool_calls=False: with
+    parallel calls SmolLM2 (not trained on tools) calls again after each call, to max_tokens."""
     tools = [WEATHER, TIME]
     r = client.chat.completions.create(model=served[1], messages=PARIS, tools=tools,
-                                       tool_choice=choice, max_tokens=80, temperature=0)
+                                       tool_choice=choice, max_tokens=80, temperature=0,
+                                       parallel_tool_calls=False)
     c = r.choices[0]
     assert c.finish_reason == "tool_calls" and len(c.message.tool_calls) == 1
     check_call(c.message.tool_calls[0], tools)
     if isinstance(choice, dict):
         assert c.message.tool_calls[0].function.name == "get_time"
     with client.chat.completions.stream(model=served[1], messages=PARIS, tools=tools,
-                                        tool_choice=choice, max_tokens=80,
-                                        temperature=0) as stream:
+                                        tool_choice=choice, max_tokens=80, temperature=0,
+                                        parallel_tool_calls=False) as stream:
         for _ in stream:
             pass
         final = stream.get_final_completion()
@@ -146,7 +149,8 @@ def test_tool_round_trip(client, served):
     "A call, the tool's result as a role 'tool' message, then the final answer."
     messages = list(PARIS)
     r = client.chat.completions.create(model=served[1], messages=messages, tools=[WEATHER],
-                                       tool_choice="required", max_tokens=80, temperature=0)
+                                       tool_choice="required", max_tokens=80, temperature=0,
+                                       parallel_tool_calls=False)
     call = r.choices[0].message.tool_calls[0]
     messages.append(r.choices[0].message.model_dump(exclude_none=True))
     messages.append({"role": "tool", "tool_call_id": call.id,

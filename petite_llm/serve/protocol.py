@@ -5,7 +5,7 @@
 from __future__ import annotations
 
 # %% auto 0
-__all__ = ['CHAT_ROLES', 'APIError', 'error_response', 'validation_message', 'CompletionRequest', 'ChatRequest', 'TokenizeRequest', 'DetokenizeRequest', 'request_sampling_params', 'chat_messages', 'checked', 'response_format_params']
+__all__ = ['CHAT_ROLES', 'APIError', 'error_response', 'validation_message', 'CompletionRequest', 'ChatRequest', 'TokenizeRequest', 'DetokenizeRequest', 'request_sampling_params', 'chat_messages', 'checked', 'response_format_params', 'structured_outputs_params']
 
 # %% ../../nbs/16_server.ipynb #dfc7eecb
 # petite_llm.serve.protocol: OpenAI-compatible request and error schemas
@@ -66,6 +66,7 @@ class _Request(BaseModel):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     response_format: dict | None = None
+    structured_outputs: dict | None = None    # vLLM's: {kind: spec}, kind as SamplingParams'
 
 class CompletionRequest(_Request):
     "POST /v1/completions: a prompt (text, token ids, or a list of either)."
@@ -82,12 +83,14 @@ class ChatRequest(_Request):
     chat_template_kwargs: dict | None = None
     tools: list | None = None
     tool_choice: str | dict | None = None
+    parallel_tool_calls: bool = True          # false: one call at most (see tool_calls)
 
 class TokenizeRequest(BaseModel):
-    "POST /tokenize: a prompt (text) or a conversation (messages)."
+    "POST /tokenize: a prompt (text) or a conversation (messages, and the tools it shows)."
     model: str | None = None
     prompt: str | None = None
     messages: list[dict] | None = None
+    tools: list | None = None
     add_special_tokens: bool = True
 
 class DetokenizeRequest(BaseModel):
@@ -159,3 +162,19 @@ def response_format_params(response_format: dict | None) -> StructuredOutputsPar
                             "{'type': 'json_schema', 'json_schema': "
                             "{'name': ..., 'schema': {...}}}", param='response_format')
     return checked(StructuredOutputsParams(json=schema), 'response_format.json_schema.schema')
+
+def structured_outputs_params(req: _Request) -> StructuredOutputsParams | None:
+    "The shape a request asks: its response_format or vLLM's structured_outputs; else a 400."
+    from_format = response_format_params(req.response_format)
+    if req.structured_outputs is None:
+        return from_format
+    if from_format is not None:
+        raise APIError(400, "response_format and structured_outputs both shape the reply; give one",
+                       param='structured_outputs')
+    try:
+        spec = StructuredOutputsParams(**req.structured_outputs)
+    except (TypeError, ValueError) as e:
+        raise APIError(400, f"structured_outputs is {{kind: spec}} with one kind of json, "
+                            f"json_object, regex, choice or grammar: {e}",
+                       param='structured_outputs') from None
+    return checked(spec, f'structured_outputs.{spec.kind}')

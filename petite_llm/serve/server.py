@@ -20,7 +20,7 @@ from .. import __version__
 from .async_engine import AsyncLLMEngine, StreamBacklogError
 from .protocol import (APIError, ChatRequest, CompletionRequest, DetokenizeRequest,
                                  TokenizeRequest, chat_messages, error_response,
-                                 request_sampling_params, response_format_params,
+                                 request_sampling_params, structured_outputs_params,
                                  validation_message)
 from ..model.sampling import SamplingParams
 from .limits import BodyLimit, ServerLimits, guarded_tokenizer
@@ -208,7 +208,7 @@ async def create_completion(server: _Server, req: CompletionRequest):
         raise APIError(400, "prompt must not be empty", param='prompt')
     server.limits.check_n(req.n)
     server.limits.check_logprobs(req.logprobs, 'logprobs')
-    structured = response_format_params(req.response_format)
+    structured = structured_outputs_params(req)
     ids = [await server.encode(p) for p in prompts]
     params = [request_sampling_params(req, len(i), server.max_model_len, req.max_tokens,
                                       req.logprobs, structured=structured)
@@ -286,11 +286,11 @@ async def create_chat_completion(server: _Server, req: ChatRequest):
     if req.top_logprobs and not req.logprobs:
         raise APIError(400, "top_logprobs needs logprobs=true", param='top_logprobs')
     k = (req.top_logprobs or 0) if req.logprobs else None
-    tools, structured = tool_choice(req.tools, req.tool_choice), response_format_params(
-        req.response_format)
+    tools = tool_choice(req.tools, req.tool_choice, req.parallel_tool_calls)
+    structured = structured_outputs_params(req)
     if tools.forced and structured:
-        raise APIError(400, "response_format and a forced tool_choice both shape the reply; "
-                            "give one", param='response_format')
+        raise APIError(400, "response_format (or structured_outputs) and a forced tool_choice "
+                            "both shape the reply; give one", param='tool_choice')
     ids = await server.chat_ids(req.messages, req.chat_template_kwargs, tools.tools)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None \
         else req.max_tokens
@@ -309,7 +309,7 @@ async def create_chat_completion(server: _Server, req: ChatRequest):
             message = dict(role='assistant', content=content, reasoning_content=reasoning)
             finish = c.finish_reason
             if tools.tools is not None:
-                message, finish = with_tool_calls(message, finish)
+                message, finish = with_tool_calls(message, finish, tools.parallel)
             choices.append(dict(index=c.index, message=message,
                                 logprobs=logprobs(c.token_ids, c.logprobs or []),
                                 finish_reason=finish, stop_reason=c.stop_reason))
@@ -323,7 +323,7 @@ async def create_chat_completion(server: _Server, req: ChatRequest):
         yield first
 
     splitters = [ThinkSplitter() for _ in range(req.n)]
-    calls = [ToolCallStream() if tools.tools is not None else None for _ in range(req.n)]
+    calls = [ToolCallStream(tools.parallel) if tools.tools else None for _ in range(req.n)]
 
     def delta_choice(_, c, lps):
         delta = _chat_delta(splitters[c.index], c, calls[c.index])
@@ -398,7 +398,8 @@ def _add_model_routes(app: FastAPI, server: _Server, guarded: list):
     async def tokenize(req: TokenizeRequest):
         server.check_model(req.model)
         if req.messages is not None:
-            tokens = await server.chat_ids(req.messages, None)
+            tools = tool_choice(req.tools, None).tools
+            tokens = await server.chat_ids(req.messages, None, tools)
         elif req.prompt is not None:
             tokens = await server.encode(req.prompt, req.add_special_tokens)
         else:

@@ -23,9 +23,10 @@ _NAME = re.compile(r'[a-zA-Z0-9_-]{1,64}')       # OpenAI's rule for a function'
 # %% ../../nbs/16_server.ipynb #29ea695b
 @dataclass
 class ToolChoice:
-    "What a request's tools and tool_choice ask: tools to show, the grammar of a forced call."
+    "What a request's tools and tool_choice ask: tools to show, the grammar of forced calls."
     tools: list[dict] | None = None                  # for the chat template, and parse the calls
-    forced: StructuredOutputsParams | None = None     # the grammar of the call the model must make
+    forced: StructuredOutputsParams | None = None     # the grammar of the calls the model must make
+    parallel: bool = True                            # several calls in one reply, or one at most
 
 def _tool_name(tool, i: int) -> str:
     "A tool's function name; a 400 unless tool is {'type': 'function', 'function': {name, ...}}."
@@ -38,8 +39,9 @@ def _tool_name(tool, i: int) -> str:
                        param=f'tools[{i}]')
     return name
 
-def call_grammar(tools: list[dict], indices: list[int]) -> StructuredOutputsParams:
-    "The grammar of one call of one of tools (at indices in the request), tags included."
+def call_grammar(tools: list[dict], indices: list[int],
+                 several: bool = False) -> StructuredOutputsParams:
+    "The grammar of a call of one of tools (at indices in the request), tags included; or several."
     import xgrammar as xgr            # loads with the first forced call
     from petite_llm.engine.structured import to_grammar
     calls = []
@@ -56,9 +58,15 @@ def call_grammar(tools: list[dict], indices: list[int]) -> StructuredOutputsPara
 
     grammar = xgr.Grammar.concat(tag(TOOL_CALL_START + '\n'), xgr.Grammar.union(*calls),
                                  tag('\n' + TOOL_CALL_END))
+    if several:
+        # its EBNF's root rule renamed tool_call (xgrammar 0.2.8 names the others root_* and
+        # basic_*), then a root of one or more calls, a newline apart as the template writes them
+        rules = re.sub(r'^root ::=', 'tool_call ::=', str(grammar), count=1, flags=re.M)
+        grammar = xgr.Grammar.from_ebnf(f'root ::= tool_call ("\\n" tool_call)*\n{rules}')
     return StructuredOutputsParams(grammar=str(grammar))
 
-def tool_choice(tools: list | None, choice: str | dict | None) -> ToolChoice:
+def tool_choice(tools: list | None, choice: str | dict | None,
+                parallel: bool = True) -> ToolChoice:
     "The request's tools checked, and what tool_choice asks of them; a 400 naming the problem."
     names = [_tool_name(tool, i) for i, tool in enumerate(tools or [])]
     choice = choice or ('auto' if names else 'none')
@@ -67,9 +75,9 @@ def tool_choice(tools: list | None, choice: str | dict | None) -> ToolChoice:
     if not names:
         raise APIError(400, f"tool_choice {choice!r} needs tools", param='tool_choice')
     if choice == 'auto':
-        return ToolChoice(tools)
+        return ToolChoice(tools, parallel=parallel)
     if choice == 'required':
-        return ToolChoice(tools, call_grammar(tools, list(range(len(tools)))))
+        return ToolChoice(tools, call_grammar(tools, list(range(len(tools))), parallel), parallel)
     name = (choice.get('function') or {}).get('name') if isinstance(choice, dict) else None
     if name is None:
         raise APIError(400, "tool_choice is 'none', 'auto', 'required' or "
@@ -78,7 +86,7 @@ def tool_choice(tools: list | None, choice: str | dict | None) -> ToolChoice:
         raise APIError(400, f"tool_choice names the function {name!r}, which is not among the "
                             f"tools ({', '.join(names)})", param='tool_choice')
     i = names.index(name)
-    return ToolChoice(tools, call_grammar([tools[i]], [i]))
+    return ToolChoice(tools, call_grammar([tools[i]], [i]), parallel)
 
 # %% ../../nbs/16_server.ipynb #333b791a
 _BLOCK = re.compile(re.escape(TOOL_CALL_START) + r'(.*?)' + re.escape(TOOL_CALL_END), re.S)
@@ -107,11 +115,13 @@ def finish_reason(reason: str | None, called: bool) -> str | None:
     "OpenAI's finish_reason of a reply that called tools: 'tool_calls' where it stopped."
     return 'tool_calls' if called and reason == 'stop' else reason
 
-def with_tool_calls(message: dict, reason: str | None) -> tuple[dict, str | None]:
-    "A chat message with its calls parsed out of its content, and its finish_reason."
+def with_tool_calls(message: dict, reason: str | None,
+                    parallel: bool = True) -> tuple[dict, str | None]:
+    "A chat message with its calls (unless parallel, the first) out of its content; its finish."
     content, calls = parse_tool_calls(message['content'])
     if not calls:
         return message, reason
+    calls = calls if parallel else calls[:1]
     return {**message, 'content': content, 'tool_calls': calls}, finish_reason(reason, True)
 
 def call_objects(message: dict) -> dict:
@@ -137,11 +147,18 @@ _TAIL = re.compile(r'(\}\s*)?(<[/a-z_]*)?$')
 
 class ToolCallStream:
     "A streamed reply's content deltas split: content until a <tool_call>, then calls, streamed."
-    def __init__(self):
+    def __init__(self, parallel: bool = True):
+        self.parallel = parallel      # False: the first call only, as with_tool_calls
         self.text = ''                # the content so far
         self.sent = 0                 # how much of it went out (as content or arguments)
         self.start = None             # where the open call's JSON starts, if one is open
         self.calls, self.named = 0, False   # calls begun; whether the open one's name went out
+
+    def _content(self, delta: dict, end: int):
+        "Send the text up to end as content; after a call, text between blocks is not content."
+        if self.calls == 0:
+            delta['content'] += self.text[self.sent:end]
+        self.sent = end
 
     def _open_call(self, delta: dict, name: str, arguments: str = ''):
         function = dict(name=name, arguments=arguments)
@@ -172,6 +189,12 @@ class ToolCallStream:
 
     def feed(self, content: str, finished: bool = False) -> dict:
         "The delta for the next piece of content: {'content': ..., 'tool_calls': [...]}."
+        delta = self._feed(content, finished)
+        if not self.parallel:
+            delta['tool_calls'] = [call for call in delta['tool_calls'] if call['index'] == 0]
+        return delta
+
+    def _feed(self, content: str, finished: bool) -> dict:
         self.text += content
         delta = dict(content='', tool_calls=[])
         while True:
@@ -181,10 +204,9 @@ class ToolCallStream:
                     held = 0 if finished else max(
                         (k for k in range(len(TOOL_CALL_START))
                          if self.text.endswith(TOOL_CALL_START[:k])), default=0)
-                    delta['content'] += self.text[self.sent:len(self.text) - held]
-                    self.sent = len(self.text) - held
+                    self._content(delta, len(self.text) - held)
                     return delta
-                delta['content'] += self.text[self.sent:begin]
+                self._content(delta, begin)
                 self.start = self.sent = begin + len(TOOL_CALL_START)
             close = self.text.find(TOOL_CALL_END, self.start)
             if not self.named and (head := _HEAD.match(self.text, self.start)):
@@ -196,6 +218,6 @@ class ToolCallStream:
             if self.named:
                 held = _TAIL.search(self.text, self.sent).start()
                 self._arguments(delta, len(self.text) if finished else held)
-            elif finished:
+            elif finished and self.calls == 0:
                 delta['content'] += self.text[self.start - len(TOOL_CALL_START):]
             return delta
