@@ -1,4 +1,6 @@
-"""CUDA graphs (chapter 14): buckets, static buffers, padding, stale columns — and the same tokens.
+"""CUDA graphs (chapter 14): buckets, static buffers, padding, stale columns — and the same tokens,
+for dense models and for mixture-of-experts ones (chapter 22's fused path reads nothing back to the
+host, so the triton backend's MoE decode step is captured too).
 
 On a CPU the recording is replaced by a stand-in that re-runs the recorded function into the same
 output tensor, so everything around the graph (what is copied where, which bucket, which rows are
@@ -11,6 +13,7 @@ import transformers
 
 from petite_llm.engine.backends import AttentionMetadata
 from petite_llm.model.config import ModelConfig
+from petite_llm.model.moe import Experts
 from petite_llm.engine.llm_engine import LLM, LLMEngine
 from petite_llm.engine.runner import CUDAGraphs, cuda_graph_batch_sizes
 from petite_llm.model.qwen3 import Qwen3ForCausalLM
@@ -105,13 +108,21 @@ def test_what_cannot_replay():
     assert not graphs.can_replay(prefill)                                    # a prefill chunk
 
 
+# a sparse layer in every layer: 8 experts, 2 per token
+MOE = dict(model_type='qwen3_moe', num_experts=8, num_experts_per_tok=2, moe_intermediate_size=16)
+
+
 def _tiny(dtype=torch.float32, **overrides):
     torch.manual_seed(0)
-    kw = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-              num_attention_heads=4, num_key_value_heads=2, head_dim=8, qk_norm=True,
-              max_position_embeddings=256)
+    kw = dict(model_type='qwen3', vocab_size=64, hidden_size=32, intermediate_size=64,
+              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+              qk_norm=True, max_position_embeddings=256)
     kw.update(overrides)
-    return Qwen3ForCausalLM(ModelConfig('qwen3', **kw)).to(dtype).eval()
+    model = Qwen3ForCausalLM(ModelConfig(**kw))
+    for stack in [m for m in model.modules() if isinstance(m, Experts)]:
+        torch.nn.init.normal_(stack.gate_up_proj, std=32 ** -0.5)     # made with torch.empty
+        torch.nn.init.normal_(stack.down_proj, std=16 ** -0.5)
+    return model.to(dtype).eval()
 
 
 def _greedy_tokens(engine, prompts, max_tokens):
@@ -124,10 +135,11 @@ def _greedy_tokens(engine, prompts, max_tokens):
     return [done[i].outputs[0].token_ids for i in ids]
 
 
-@pytest.mark.parametrize("block_size", [1, 4])
-def test_graphed_engine_gives_the_eager_tokens(block_size):
+@pytest.mark.parametrize("block_size, moe", [(1, {}), (4, {}), (4, MOE)],
+                         ids=['1', '4', '4-moe'])
+def test_graphed_engine_gives_the_eager_tokens(block_size, moe):
     "Triton backend (interpreted on a CPU), stand-in graphs: the eager tokens, decodes replayed."
-    model = _tiny().to(DEVICE)
+    model = _tiny(**moe).to(DEVICE)
     prompts = [[1, 2, 3, 4, 5], [7, 8, 9], [11, 12, 13, 14, 15, 16, 17], [3] * 9, [5, 6]]
     max_tokens = [12, 3, 5, 6, 4]                 # the batch shrinks: 5 → 4 → … → 1, new buckets
     kw = dict(attention_backend='triton', block_size=block_size, kv_cache_memory=2**20,
@@ -177,6 +189,50 @@ def test_cuda_graphs_match_eager_and_transformers(tmp_path, block_size, record_l
               for n in (12, 3, 9, 6, 1)]
     want = eager.generate(prompts, params, use_tqdm=False)
     got = graphed.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    for prompt, out in zip(prompts, got):
+        tokens = out.outputs[0].token_ids
+        with torch.inference_mode():
+            ref = hf(torch.tensor([prompt + tokens], device='cuda')).logits[0]    # [L, V]
+        ref = ref[len(prompt) - 1:len(prompt) - 1 + len(tokens)]
+        ours = torch.stack(rows[tuple(prompt)])
+        assert (ours - ref).abs().max() <= 1e-4 * ref.abs().max()
+
+
+def _hf_moe_checkpoint(path, dtype, shared):
+    "A random Qwen3-MoE (Qwen2-MoE with its shared expert if shared) saved to path, on CUDA."
+    torch.manual_seed(0)
+    kw = dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+              initializer_range=0.2, eos_token_id=2, num_experts=8, num_experts_per_tok=2,
+              moe_intermediate_size=32)
+    cfg = (transformers.Qwen2MoeConfig(**kw, shared_expert_intermediate_size=48) if shared else
+           transformers.Qwen3MoeConfig(**kw, head_dim=16, norm_topk_prob=True))
+    hf = transformers.AutoModelForCausalLM.from_config(cfg, experts_implementation='eager')
+    hf.to(dtype).save_pretrained(path)
+    return hf.cuda().eval()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shared", [False, True], ids=['qwen3-moe', 'qwen2-moe'])
+def test_moe_cuda_graphs_match_eager_and_transformers(tmp_path, shared, record_logits):
+    "fp32, triton backend: MoE decode steps captured; graph and eager tokens identical; HF logits."
+    hf = _hf_moe_checkpoint(tmp_path, torch.float32, shared)
+    prompts = [[5, 6, 7], [9] * 20, list(range(10, 50)), [3, 4], [8] * 3]
+    kw = dict(dtype='float32', device='cuda', attention_backend='triton', max_num_seqs=8,
+              block_size=16, kv_cache_memory=2**26)
+    eager, graphed = LLM(tmp_path, enforce_eager=True, **kw), LLM(tmp_path, **kw)
+    assert graphed.engine.runner.cuda_graphs is not None
+    replays = []
+    graphs = graphed.engine.runner.cuda_graphs.graphs
+    for size, (replay, out) in list(graphs.items()):
+        graphs[size] = (lambda r=replay, s=size: (replays.append(s), r())), out
+    rows = record_logits(graphed)
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+              for n in (12, 3, 9, 6, 1)]
+    want = eager.generate(prompts, params, use_tqdm=False)
+    got = graphed.generate(prompts, params, use_tqdm=False)
+    assert replays                                       # the decode steps were replayed
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
     for prompt, out in zip(prompts, got):
         tokens = out.outputs[0].token_ids

@@ -4,6 +4,10 @@ reference `Experts.forward` for 4 to 128 experts, top-k 1 to 8 and 1 to 300 toke
 no token included: float32 and float64 to their rounding, float16 (and bfloat16, on a GPU: the
 interpreter has no bfloat16 arithmetic) within a unit or two of the dtype's last place. Through
 the engine's triton backend, an MoE model gives transformers' greedy tokens (float64).
+What lets a CUDA graph capture it: its sizes follow from shapes alone (it runs on the `meta`
+device, which has shapes and no values) and it reads nothing back to the host. With chapter 20's
+`BatchInvariantExperts` it keeps one tile height for every batch, and (on a GPU) a token's output
+is the same bits alone and in any batch.
 
 Without a GPU the kernels run in Triton's interpreter (tests/conftest.py switches it on before
 the kernel modules define them); shapes stay tiny, as each program instance costs milliseconds.
@@ -17,10 +21,13 @@ if not torch.cuda.is_available():
 
 import pytest
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from petite_llm import LLM
 from petite_llm.engine import triton_backend
-from petite_llm.engine.fused_moe import fused_experts, moe_align_block_size
+from petite_llm.engine.batch_invariant import make_batch_invariant
+from petite_llm.engine.fused_moe import (fused_experts, moe_align_block_size, tile_height,
+                                         topk_sum)
 from petite_llm.model.moe import Experts, route
 from test_moe import VOCAB, _engine_tokens, _pool, checkpoints  # noqa: F401 (a fixture)
 from test_parity import hf_greedy, prompts
@@ -73,18 +80,112 @@ def test_align_tiles_hold_one_expert_each_and_every_assignment_once(shape, block
     assert used == sum(-(-int(c) // block_m) * block_m for c in counts)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.float64,
-                                   pytest.param(torch.bfloat16, marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("dtype, invariant", [
+    (torch.float32, False), (torch.float16, False), (torch.float64, False),
+    pytest.param(torch.bfloat16, False, marks=pytest.mark.gpu), (torch.float32, True)])
 @pytest.mark.parametrize("shape", SHAPES)
-def test_fused_experts_equals_the_reference(shape, dtype):
+def test_fused_experts_equals_the_reference(shape, dtype, invariant):
+    "Tiles by the batch (16 or 64 rows), or 64 rows always for batch-invariant experts."
     stack, x, weights, chosen = random_case(*shape, dtype)
     with torch.no_grad():
         ref = stack(x, weights, chosen)                             # [T, H]
+        if invariant:
+            make_batch_invariant(stack)
         out = fused_experts(stack, x, weights, chosen)
     assert out.shape == ref.shape and out.dtype == ref.dtype
     err = (out - ref).abs().max().item()
     assert err <= TOL[dtype] * ref.abs().max().item(), err
 
+
+@pytest.mark.parametrize("shape", SHAPES[:4])
+def test_align_sizes_follow_from_shapes_alone(shape):
+    "On the meta device (shapes, no values) it runs, and gives the sizes it gives on real ids."
+    num_experts, top_k, num_tokens = shape[:3]
+    chosen = random_case(*shape, torch.float32)[3]
+    for block_m in (16, 64):
+        real = moe_align_block_size(chosen, block_m, num_experts)
+        meta = moe_align_block_size(chosen.to('meta'), block_m, num_experts)
+        assert [t.shape for t in meta] == [t.shape for t in real]
+        numel = num_tokens * top_k                      # the worst case: every run padded
+        assert real[0].numel() >= numel + min(num_experts, numel) * (block_m - 1)
+
+
+# ops whose result (or its size) needs the values on the host: on a GPU each waits for it
+HOST_READS = {'aten._local_scalar_dense', 'aten.nonzero', 'aten.masked_select', 'aten.unique',
+              'aten._unique2', 'aten.unique_dim', 'aten.unique_consecutive', 'aten.bincount',
+              'aten.repeat_interleave'}
+
+
+class HostReads(TorchDispatchMode):
+    "Records the ops of HOST_READS that run inside it."
+    def __init__(self):
+        super().__init__()
+        self.found = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if str(func.overloadpacket) in HOST_READS:
+            self.found.append(str(func.overloadpacket))
+        return func(*args, **(kwargs or {}))
+
+
+def _refuse(*args):
+    raise AssertionError("read back to the host")
+
+
+def test_fused_experts_reads_nothing_back(monkeypatch):
+    "No .item(), .tolist() or op of HOST_READS; the reference's bincount().tolist() is caught."
+    stack, x, weights, chosen = random_case(16, 4, 20, 32, 16, torch.float32)
+    with torch.no_grad():
+        ref = stack(x, weights, chosen)
+        monkeypatch.setattr(torch.Tensor, 'tolist', _refuse)
+        monkeypatch.setattr(torch.Tensor, 'item', _refuse)
+        with HostReads() as reads:
+            out = fused_experts(stack, x, weights, chosen)
+        assert reads.found == []
+        with HostReads() as reads, pytest.raises(AssertionError, match='host'):
+            stack(x, weights, chosen)
+        assert reads.found == ['aten.bincount']
+    assert (out - ref).abs().max() <= TOL[torch.float32] * ref.abs().max()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.float64])
+def test_topk_sum_adds_in_slot_order(dtype):
+    "Slot 0 + slot 1 + … in the accumulation dtype, rounded once: IEEE additions, exactly."
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
+    # big + small rounds back to big in the accumulation dtype: in slot order small is lost
+    big, small = {torch.float16: (6e4, 2.0 ** -24), torch.float32: (2.0 ** 30, 1.0),
+                  torch.float64: (2.0 ** 60, 1.0)}[dtype]
+    x = torch.randn(7, 3, 40, dtype=dtype)
+    x[0, :, 0] = torch.tensor([big, small, -big])
+    x = x.to(DEVICE)
+    want = (x[:, 0].to(acc) + x[:, 1].to(acc) + x[:, 2].to(acc)).to(dtype)
+    out = topk_sum(x)
+    assert torch.equal(out, want) and out[0, 0].item() == 0.0
+    assert torch.equal(topk_sum(x[:, :1]), x[:, 0])
+
+
+def test_batch_invariant_experts_take_one_tile_height():
+    "Plain stacks: 16-row tiles for a decode's few rows, 64 for a prefill; invariant ones: 64."
+    stack = random_case(8, 2, 1, 16, 16, torch.float32)[0]
+    assert [tile_height(stack, n) for n in (1, 32, 33, 600)] == [16, 16, 64, 64]
+    make_batch_invariant(stack)
+    assert [tile_height(stack, n) for n in (1, 32, 33, 600)] == [64] * 4
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_batch_invariant_fused_experts_keep_a_tokens_bits(dtype):
+    """A token alone, then at other places in batches of other sizes (experts shared): the same
+    bits. Compiled, a tile's product computes each of its rows alike; the interpreter's NumPy
+    matmul need not (a row can round differently at another place of a tile), hence the GPU."""
+    stack, x, weights, chosen = random_case(8, 2, 150, 32, 16, dtype)
+    make_batch_invariant(stack)
+    with torch.no_grad():
+        alone = fused_experts(stack, x[:1], weights[:1], chosen[:1])[0]
+        for others in [range(1, 3), range(1, 150), range(5, 40), range(149, 150)]:
+            batch = torch.tensor([others[0], 0, *others[1:]], device=DEVICE)   # token 0 second
+            out = fused_experts(stack, x[batch], weights[batch], chosen[batch])
+            assert torch.equal(out[1], alone), others
 
 
 @pytest.mark.parametrize('case', ['qwen3-norm', 'qwen2-shared'])

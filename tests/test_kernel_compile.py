@@ -120,7 +120,7 @@ def test_every_kernel_the_engine_launches_compiles_for_sm80_and_sm90():
     kernels = {row['variant'].split('(')[0] for row in rows}
     assert {'_qk_norm_rope_store_kernel', '_unified_attention_kernel', '_silu_and_mul_kernel',
             '_split_kv_attention_kernel', '_merge_segments_kernel',
-            '_fused_add_rms_norm_kernel', '_fused_moe_kernel'} <= kernels
+            '_fused_add_rms_norm_kernel', '_fused_moe_kernel', '_topk_sum_kernel'} <= kernels
     problems = [row for row in rows if row['problem']]
     assert not problems, compile_report(problems)
 

@@ -9,9 +9,10 @@ import torch
 from torch import nn
 
 from .backends import AttentionMetadata, TorchAttentionBackend, store_kv
+from ..model.moe import Experts
 
 # %% auto #0
-__all__ = ['invariant_rows', 'BatchInvariantLinear', 'make_batch_invariant', 'BatchInvariantAttention']
+__all__ = ['invariant_rows', 'BatchInvariantLinear', 'BatchInvariantExperts', 'make_batch_invariant', 'BatchInvariantAttention']
 
 # %% ../../nbs/20_batch_invariance.ipynb #bi000010
 def invariant_rows(device) -> int:
@@ -39,8 +40,17 @@ class BatchInvariantLinear(nn.Module):
     def extra_repr(self):
         return f"rows={self.rows}"
 
+# %% ../../nbs/20_batch_invariance.ipynb #bi000061
+class BatchInvariantExperts(Experts):
+    "Experts run one token at a time: a token's products and their sum never see another token."
+    def forward(self, x: torch.Tensor, weights: torch.Tensor,
+                experts: torch.Tensor) -> torch.Tensor:
+        "x [T, H], weights and expert ids [T, k] -> [T, H]: Experts.forward on each token alone."
+        return torch.cat([Experts.forward(self, *token)
+                          for token in zip(x.split(1), weights.split(1), experts.split(1))])
+
 def make_batch_invariant(model: nn.Module, rows: int | None = None) -> int:
-    "Wrap every linear layer of model (any module with in_features) in a BatchInvariantLinear."
+    "Wrap every linear layer of model (any module with in_features); make its experts invariant."
     rows = rows or invariant_rows(next(model.parameters()).device)
     linears = [(parent, name, child) for parent in model.modules()
                if not isinstance(parent, BatchInvariantLinear)
@@ -48,7 +58,13 @@ def make_batch_invariant(model: nn.Module, rows: int | None = None) -> int:
                if hasattr(child, 'in_features') and not isinstance(child, BatchInvariantLinear)]
     for parent, name, linear in linears:
         setattr(parent, name, BatchInvariantLinear(linear, rows))
-    return len(linears)
+    stacks = [m for m in model.modules()
+              if isinstance(m, Experts) and not isinstance(m, BatchInvariantExperts)]
+    for stack in stacks:
+        # the same module, parameters and names, another forward (torch.nn.utils.parametrize
+        # changes a module's class the same way)
+        stack.__class__ = BatchInvariantExperts
+    return len(linears) + len(stacks)
 
 # %% ../../nbs/20_batch_invariance.ipynb #bi000020
 class BatchInvariantAttention(TorchAttentionBackend):

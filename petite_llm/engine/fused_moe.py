@@ -5,7 +5,7 @@
 from __future__ import annotations
 
 # %% auto 0
-__all__ = ['moe_align_block_size', 'grouped_gemm', 'fused_experts']
+__all__ = ['moe_align_block_size', 'grouped_gemm', 'topk_sum', 'tile_height', 'fused_experts']
 
 # %% ../../nbs/22_moe.ipynb #a7f0e102
 # petite_llm.engine.fused_moe: the fused-MoE fast path: tokens sorted by expert, grouped GEMMs
@@ -13,6 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .batch_invariant import BatchInvariantExperts
 from .fused import silu_and_mul
 from ..model.moe import Experts
 
@@ -89,16 +90,43 @@ def grouped_gemm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, align: tup
         BLOCK_K=min(64, max(16, triton.next_power_of_2(k))),
         ACC=tl.float64 if a.dtype == torch.float64 else tl.float32)
 
+@triton.jit
+def _topk_sum_kernel(out_ptr, x_ptr, N, TOP_K: tl.constexpr, BLOCK: tl.constexpr,
+                     ACC: tl.constexpr):
+    "One program per (token, BLOCK columns): out[t] = x[t, 0] + x[t, 1] + … + x[t, k-1]."
+    token, offs = tl.program_id(0).to(tl.int64), tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < N
+    rows = x_ptr + token * TOP_K * N + offs                        # x [T, k, N]: token's row 0
+    acc = tl.load(rows, mask=mask, other=0.0).to(ACC)
+    for j in tl.static_range(1, TOP_K):                            # slot order, whatever the batch
+        acc += tl.load(rows + j * N, mask=mask, other=0.0).to(ACC)
+    tl.store(out_ptr + token * N + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+def topk_sum(x: torch.Tensor, block: int = 1024) -> torch.Tensor:
+    "x [T, k, H] -> [T, H]: each token's k rows added in slot order, rounded once."
+    (T, top_k, hidden), x = x.shape, x.contiguous()
+    out = x.new_empty(T, hidden)
+    block = min(block, triton.next_power_of_2(hidden))
+    _topk_sum_kernel[(T, triton.cdiv(hidden, block))](
+        out, x, hidden, TOP_K=top_k, BLOCK=block,
+        ACC=tl.float64 if x.dtype == torch.float64 else tl.float32)
+    return out
+
+def tile_height(stack: Experts, num_assignments: int) -> int:
+    "BLOCK_M: 16 for a decode's few rows per expert, 64 for a prefill; 64 always if invariant."
+    if isinstance(stack, BatchInvariantExperts):   # chapter 20: one tile shape for every batch
+        return 64
+    return 16 if num_assignments <= 4 * stack.num_experts else 64
+
 def fused_experts(stack: Experts, x: torch.Tensor, weights: torch.Tensor,
                   experts: torch.Tensor) -> torch.Tensor:
     "Experts.forward in two grouped GEMMs: x [T, H], weights and expert ids [T, k] -> [T, H]."
     (T, hidden), top_k = x.shape, experts.shape[1]
-    # decode spreads few rows over many experts: small tiles waste less padding
-    block_m = 16 if T * top_k <= 4 * stack.num_experts else 64
+    block_m = tile_height(stack, T * top_k)
     align = moe_align_block_size(experts, block_m, stack.num_experts)
     gate_up = x.new_empty(T * top_k, 2 * stack.intermediate_size)  # [T·k, 2I]: row t·k + j
     grouped_gemm(x, stack.gate_up_proj, gate_up, align, block_m, top_k)
     down = x.new_empty(T * top_k, hidden)                          # [T·k, H], weighted
     grouped_gemm(silu_and_mul(gate_up), stack.down_proj, down, align, block_m, 1,
                  weights.flatten().contiguous())
-    return down.view(T, top_k, hidden).sum(dim=1)                  # the top-k sum
+    return topk_sum(down.view(T, top_k, hidden))
