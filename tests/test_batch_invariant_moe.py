@@ -43,9 +43,9 @@ def _experts(llm):
             if isinstance(layer.mlp, SparseMoeBlock)]
 
 
-def _target_run(path, backend, dtype, budget, batch, record_logits, max_tokens):
+def _target_run(path, backend, dtype, budget, batch, record_logits, max_tokens, **options):
     "TARGET's tokens and its rows of logits [n, V] when it runs inside batch."
-    llm = _llm(path, backend, dtype, budget)
+    llm = _llm(path, backend, dtype, budget, **options)
     rows = record_logits(llm)
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     outs = llm.generate(batch, params, use_tqdm=False)
@@ -54,14 +54,15 @@ def _target_run(path, backend, dtype, budget, batch, record_logits, max_tokens):
 
 # the triton backend on a GPU only: compiled, a tile's product computes each of its rows alike,
 # while the interpreter's NumPy matmul may round a row differently at another place of a tile
+@pytest.mark.parametrize('quantization', [None, 'int8'])
 @pytest.mark.parametrize('backend', ['torch', pytest.param('triton', marks=pytest.mark.gpu)])
 @pytest.mark.parametrize('case', CASES)
 def test_a_prompt_keeps_its_tokens_and_logits_in_any_batch(checkpoints, case, backend,
-                                                          record_logits):
-    "bfloat16: TARGET alone, beside one, among five and last of seven; other step budgets."
+                                                          quantization, record_logits):
+    "bfloat16 (int8 experts too): TARGET alone, beside one, among five, last of seven."
     path, max_tokens = checkpoints[case][0], 6
     runs = [_target_run(path, backend, torch.bfloat16, budget, batch, record_logits,
-                        max_tokens) for budget, batch in BATCHES]
+                        max_tokens, quantization=quantization) for budget, batch in BATCHES]
     (tokens, logits), others = runs[0], runs[1:]
     assert logits.shape[0] == max_tokens
     for other_tokens, other_logits in others:

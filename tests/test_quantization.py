@@ -72,14 +72,26 @@ def test_int8_linear_matches_dequantized_reference(one_thread, monkeypatch, dtyp
     assert (out.float() - reference).abs().max() <= tol * reference.abs().max()
 
 
-@pytest.mark.parametrize('native,rows,dtype,kernel', [
-    (True, 16, torch.bfloat16, True), (True, 17, torch.bfloat16, False),
-    (False, 4096, torch.bfloat16, True), (True, 1, torch.float32, False),
-    (False, 1, torch.float16, False)])
-def test_the_int8_kernel_takes_what_it_wins(monkeypatch, native, rows, dtype, kernel):
-    "bf16 rows only: up to 16 where the CPU has native bf16, all where it emulates it."
+@pytest.mark.parametrize('native,rows,width,dtype,kernel', [
+    (True, 16, 32, torch.bfloat16, True), (True, 17, 32, torch.bfloat16, False),
+    (False, 4096, 48, torch.bfloat16, True), (True, 1, 32, torch.float32, False),
+    (False, 1, 32, torch.float16, False), (True, 1, 24, torch.bfloat16, False)])
+def test_the_int8_kernel_takes_what_it_wins(monkeypatch, native, rows, width, dtype, kernel):
+    "bf16 rows of a width in 16s: up to 16 rows with native bf16, all where it is emulated."
     monkeypatch.setattr(quantization, 'INT8_MM_MAX_ROWS', 16 if native else math.inf)
-    assert quantization.int8_kernel_takes(torch.empty(rows, 8, dtype=dtype)) == kernel
+    assert quantization.int8_kernel_takes(torch.empty(rows, width, dtype=dtype)) == kernel
+
+
+@pytest.mark.parametrize('width', [8, 24, 40, 56])
+def test_int8_linear_of_a_width_the_kernel_cannot_read(width):
+    "A bf16 row of a width not in 16s (the kernel would read past it): the dequantized product."
+    torch.manual_seed(width)
+    layer = Int8Linear.from_linear(nn.Linear(width, 64, bias=False).to(torch.bfloat16))
+    x = torch.randn(3, width, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        out = layer(x).float()
+    reference = F.linear(x.float(), dequantized(layer))
+    assert (out - reference).abs().max() <= 2 ** -7 * reference.abs().max()
 
 
 def test_int8_linear_is_close_to_the_float_weights(one_thread):

@@ -10,9 +10,11 @@ from torch import nn
 
 from .backends import AttentionMetadata, TorchAttentionBackend, store_kv
 from ..model.moe import Experts
+from ..model.quantization import Int8Experts
 
 # %% auto #0
-__all__ = ['invariant_rows', 'BatchInvariantLinear', 'BatchInvariantExperts', 'make_batch_invariant', 'BatchInvariantAttention']
+__all__ = ['INVARIANT_EXPERTS', 'invariant_rows', 'BatchInvariantLinear', 'OneTokenAtATime', 'BatchInvariantExperts',
+           'BatchInvariantInt8Experts', 'make_batch_invariant', 'BatchInvariantAttention']
 
 # %% ../../nbs/20_batch_invariance.ipynb #bi000010
 def invariant_rows(device) -> int:
@@ -41,13 +43,22 @@ class BatchInvariantLinear(nn.Module):
         return f"rows={self.rows}"
 
 # %% ../../nbs/20_batch_invariance.ipynb #bi000061
-class BatchInvariantExperts(Experts):
-    "Experts run one token at a time: a token's products and their sum never see another token."
+class OneTokenAtATime:
+    "An expert stack run one token at a time: a token's products and their sum never see another."
     def forward(self, x: torch.Tensor, weights: torch.Tensor,
                 experts: torch.Tensor) -> torch.Tensor:
-        "x [T, H], weights and expert ids [T, k] -> [T, H]: Experts.forward on each token alone."
-        return torch.cat([Experts.forward(self, *token)
+        "x [T, H], weights and expert ids [T, k] -> [T, H]: the stack's forward on each token alone."
+        forward = super().forward                      # the stack's own, on one token
+        return torch.cat([forward(*token)
                           for token in zip(x.split(1), weights.split(1), experts.split(1))])
+
+class BatchInvariantExperts(OneTokenAtATime, Experts):
+    "Chapter 22's Experts, one token at a time."
+
+class BatchInvariantInt8Experts(OneTokenAtATime, Int8Experts):
+    "Chapter 18's int8 experts, one token at a time (their kernel choice follows the row count)."
+
+INVARIANT_EXPERTS = {Experts: BatchInvariantExperts, Int8Experts: BatchInvariantInt8Experts}
 
 def make_batch_invariant(model: nn.Module, rows: int | None = None) -> int:
     "Wrap every linear layer of model (any module with in_features); make its experts invariant."
@@ -58,12 +69,11 @@ def make_batch_invariant(model: nn.Module, rows: int | None = None) -> int:
                if hasattr(child, 'in_features') and not isinstance(child, BatchInvariantLinear)]
     for parent, name, linear in linears:
         setattr(parent, name, BatchInvariantLinear(linear, rows))
-    stacks = [m for m in model.modules()
-              if isinstance(m, Experts) and not isinstance(m, BatchInvariantExperts)]
+    stacks = [m for m in model.modules() if type(m) in INVARIANT_EXPERTS]
     for stack in stacks:
         # the same module, parameters and names, another forward (torch.nn.utils.parametrize
         # changes a module's class the same way)
-        stack.__class__ = BatchInvariantExperts
+        stack.__class__ = INVARIANT_EXPERTS[type(stack)]
     return len(linears) + len(stacks)
 
 # %% ../../nbs/20_batch_invariance.ipynb #bi000020

@@ -38,8 +38,11 @@ INT8_MM_MAX_ROWS = 16 if NATIVE_BF16 else math.inf
 
 def int8_kernel_takes(x: torch.Tensor) -> bool:
     "Whether the int8 kernel computes x [T, in]: bf16 on a CPU, at most INT8_MM_MAX_ROWS rows."
-    # float32 and float16 activations: the kernel is slower than converting, from one row on
-    return x.is_cpu and x.dtype == torch.bfloat16 and x.shape[0] <= INT8_MM_MAX_ROWS
+    # float32 and float16 activations: the kernel is slower than converting, from one row on;
+    # `in` a multiple of 16: PyTorch 2.13's CPU kernel reads rows in vectors of 16 with no tail
+    # (in=24 or 40 read past the row: wrong numbers, or a crash)
+    return (x.is_cpu and x.dtype == torch.bfloat16 and x.shape[0] <= INT8_MM_MAX_ROWS
+            and x.shape[-1] % 16 == 0)
 
 def int8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor):
     "(x @ q.T) * scale for x [T, in], int8 q [out, in], scale [out]: the int8 kernel or convert."
