@@ -14,6 +14,7 @@ from hypothesis import given, settings, strategies as st, HealthCheck
 from petite_llm.engine.paging import BlockManager, cdiv, check_block_accounting
 from petite_llm.model.sampling import SamplingParams
 from petite_llm.engine.scheduler import Scheduler, Sequence, SequenceStatus
+from petite_llm.engine.speculative import SpeculativeScheduler
 from doubles import FakeModel
 
 EOS = 0
@@ -44,8 +45,10 @@ def drive(sched, model, arrivals, aborts, check_order=True, num_speculative_toke
         if step in aborts and sched.seqs:
             victim = sorted(sched.seqs)[aborts[step] % len(sched.seqs)]
             finished[victim] = sched.abort(victim)
-        for seq in sched.awaiting_drafts():
-            seq.spec_token_ids = model.propose(seq, sched.max_drafts(seq, num_speculative_tokens))
+        if num_speculative_tokens:
+            for seq in sched.awaiting_drafts():
+                seq.spec_token_ids = model.propose(seq,
+                                                   sched.max_drafts(seq, num_speculative_tokens))
         waiting_before, had_work = set(map(id, sched.waiting)), sched.has_unfinished_requests()
         out = sched.schedule()
         check_invariants(sched)
@@ -140,8 +143,10 @@ def run_stream(seed, block_size, extra_blocks, budget, max_num_seqs, prefix_cach
     need = max(cdiv(min(r.num_tokens + r.sampling_params.max_tokens, max_model_len) - 1, block_size)
                for r in reqs)
     bm = BlockManager(need + extra_blocks, block_size, enable_prefix_caching=prefix_caching)
-    sched = Scheduler(bm, max_num_batched_tokens=max(budget, max_num_seqs),
-                      max_num_seqs=max_num_seqs, max_model_len=max_model_len, eos_token_ids=[EOS])
+    scheduler_type = SpeculativeScheduler if num_speculative_tokens else Scheduler
+    sched = scheduler_type(bm, max_num_batched_tokens=max(budget, max_num_seqs),
+                           max_num_seqs=max_num_seqs, max_model_len=max_model_len,
+                           eos_token_ids=[EOS])
     model = FakeModel(block_size, vocab)
     arrivals = [[] for _ in range(rng.randint(1, 30))]
     for r in reqs:
@@ -222,10 +227,11 @@ def test_many_steps_were_run():
     assert totals['drafts_verified'] > MIN_DRAFTS, totals
 
 
-def _sched(num_blocks=16, bs=4, budget=32, seqs=8, max_model_len=64, **kw):
+def _sched(num_blocks=16, bs=4, budget=32, seqs=8, max_model_len=64, scheduler_type=Scheduler,
+           **kw):
     bm = BlockManager(num_blocks, bs, **kw)
-    sched = Scheduler(bm, max_num_batched_tokens=budget, max_num_seqs=seqs,
-                      max_model_len=max_model_len, eos_token_ids=[EOS])
+    sched = scheduler_type(bm, max_num_batched_tokens=budget, max_num_seqs=seqs,
+                           max_model_len=max_model_len, eos_token_ids=[EOS])
     return sched, FakeModel(bs, 50)
 
 
@@ -321,7 +327,7 @@ def test_stop_rules():
 
 def test_verify_step_takes_accepted_drafts_and_stops_midway():
     "A decode with drafts computes them all; the tokens after a stop among them are dropped."
-    sched, model = _sched()
+    sched, model = _sched(scheduler_type=SpeculativeScheduler)
     sched.add(Sequence(0, [1, 2], SamplingParams(max_tokens=10)))
     _step(sched, model)                               # the prefill samples the first token
     seq = sched.seqs[0]
@@ -335,7 +341,7 @@ def test_verify_step_takes_accepted_drafts_and_stops_midway():
 
 
 def test_rejected_drafts_roll_back_and_are_never_hashed():
-    sched, model = _sched(bs=4)
+    sched, model = _sched(bs=4, scheduler_type=SpeculativeScheduler)
     sched.add(Sequence(0, [1, 2, 3], SamplingParams(max_tokens=20, ignore_eos=True)))
     _step(sched, model)                               # 3 prompt tokens computed, 1 output token
     seq, bm = sched.seqs[0], sched.block_manager
@@ -354,7 +360,7 @@ def test_rejected_drafts_roll_back_and_are_never_hashed():
 
 def test_verify_is_scheduled_whole_or_waits():
     "A decode whose drafts do not fit this step's budget waits, whole, while others run."
-    sched, model = _sched(budget=8, num_blocks=32)
+    sched, model = _sched(budget=8, num_blocks=32, scheduler_type=SpeculativeScheduler)
     for i in range(2):
         sched.add(Sequence(i, [1 + i, 2, 3], SamplingParams(max_tokens=20, ignore_eos=True)))
     _step(sched, model)
@@ -370,7 +376,8 @@ def test_verify_is_scheduled_whole_or_waits():
 
 
 def test_preemption_drops_drafts_and_recomputes_all_but_the_last_token():
-    sched, model = _sched(num_blocks=5, budget=16, seqs=4, bs=4)
+    sched, model = _sched(num_blocks=5, budget=16, seqs=4, bs=4,
+                          scheduler_type=SpeculativeScheduler)
     low = Sequence(0, list(range(1, 9)), SamplingParams(max_tokens=8, ignore_eos=True))
     sched.add(low)
     for _ in range(2):

@@ -24,7 +24,8 @@ from .runner import StepInFlight, build_runner, compile_model
 from ..model.sampling import SamplingParams
 from .scheduler import Scheduler, Sequence
 from .sizing import EngineSizes, size_engine
-from .speculative import SpeculativeConfig, Speculator, load_draft_model
+from .speculative import (SpeculativeConfig, SpeculativeScheduler, Speculator,
+                                           load_draft_model)
 from ..model.tokenizer import Tokenizer, as_list
 
 # one log for the engine's modules (sizing, loading, the workers log to it too)
@@ -88,15 +89,15 @@ class LLMEngine:
         self.kv_cache_memory, self.max_model_len = sizes.kv_cache_memory, sizes.max_model_len
         self.block_manager = BlockManager(sizes.num_blocks, config.block_size,
                                           config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.block_manager, sizes.max_num_batched_tokens,
-                                   sizes.max_num_seqs, sizes.max_model_len, self.eos_token_ids)
+        scheduler_type = Scheduler if spec_config is None else SpeculativeScheduler   # chapter 15
+        self.scheduler = scheduler_type(self.block_manager, sizes.max_num_batched_tokens,
+                                        sizes.max_num_seqs, sizes.max_model_len, self.eos_token_ids)
         self.speculator = None
         if spec_config is not None:
             # the draft gets a backend of its own: a backend keeps per-model buffers
             self.speculator = Speculator(spec_config, draft, sizes.num_blocks, config.block_size,
                                          self._attention_backend(), sizes.max_model_len)
-        self.runner = build_runner(model, config, sizes, compiled,
-                                   self.speculator, workers)
+        self.runner = build_runner(model, config, sizes, compiled, self.speculator, workers)
         log_engine_start(config, sizes, self.runner)
         self.output_processor = OutputProcessor(tokenizer, self.scheduler)
         self._request_ids, self._seq_ids = itertools.count(), itertools.count()

@@ -41,6 +41,8 @@ class Sequence:
         self.block_table: list[int] = []
         self.stop_ids: set[int] = set()   # eos and stop token ids, set by Scheduler.add
         self.grammar = None            # its grammar's matcher, if constrained (chapter 21)
+        # drafts its next decode verifies (chapter 15): assigned whole, never changed in place
+        self.spec_token_ids: list[int] = []
         self.arrival = -1              # set by Scheduler.add: first come, first served
         self.status = SequenceStatus.WAITING
         self.finish_reason: str | None = None       # 'stop' | 'length' | 'abort'
@@ -114,6 +116,11 @@ class SchedulerOutput:
         "Rows whose logits are needed: the last token's of each sequence that samples."
         ends = itertools.accumulate(self.num_new_tokens)       # where each sequence's rows end
         return [end - 1 for end, samples in zip(ends, self.do_sample) if samples]
+
+    @property
+    def spec_token_ids(self) -> list[list[int]]:
+        "Drafts each sequence verifies: none (chapter 15's SpeculativeSchedulerOutput holds them)."
+        return [[] for _ in self.seqs]
 
     def __len__(self):
         return len(self.seqs)
@@ -432,104 +439,3 @@ def update(self: Scheduler, out: SchedulerOutput, sampled) -> list[Sequence]:
     for seq, samples in zip(out.seqs, out.do_sample):
         seq.num_pending -= samples
     return _update_known(self, out, sampled)
-
-# %% ../../nbs/15_speculative.ipynb #s15sc002
-from fastcore.basics import patch
-
-# the drafts its next decode verifies: a proposer assigns them, nothing changes them in place
-Sequence.spec_token_ids = ()
-
-@patch
-def awaiting_drafts(self: Scheduler) -> list[Sequence]:
-    "Running sequences whose next step is a decode without drafts yet, most urgent first."
-    decoding = [seq for seq in self.running if seq.is_decoding and not seq.spec_token_ids]
-    return sorted(decoding, key=lambda s: s.urgency)
-
-@patch
-def max_drafts(self: Scheduler, seq: Sequence, num_speculative_tokens: int) -> int:
-    "Drafts seq's next decode may verify: none past max_tokens or max_model_len, within budget."
-    room = min(seq.sampling_params.max_tokens - seq.num_output_tokens,
-               self.max_model_len - seq.num_tokens, self.max_num_batched_tokens) - 1
-    return max(0, min(num_speculative_tokens, room))
-
-@patch
-def reserve(self: Scheduler, seq: Sequence, num_tokens: int) -> bool:
-    "Slots for seq's next num_tokens tokens before schedule(), preempting less urgent ones."
-    # False: seq itself was preempted. A draft model writes its K/V ahead of the verify step.
-    if not self._make_room(seq, lambda: self.block_manager.can_append(seq, num_tokens), {}):
-        return False
-    self.block_manager.append_slots(seq, num_tokens)
-    return True
-
-# %% ../../nbs/15_speculative.ipynb #s15sc004
-_num_new_tokens_one = Scheduler._num_new_tokens
-
-@patch
-def _num_new_tokens(self: Scheduler, seq: Sequence, budget: int) -> int:
-    "A decode with drafts computes its last token and every draft, or nothing: it never splits."
-    if seq.spec_token_ids and seq.is_decoding:
-        num_new = 1 + len(seq.spec_token_ids)
-        return num_new if num_new <= budget else 0
-    return _num_new_tokens_one(self, seq, budget)
-
-_batch_without_drafts = Scheduler._batch
-
-@patch
-def _batch(self: Scheduler, scheduled: dict[Sequence, int]) -> SchedulerOutput:
-    "Chapter 12's output, the verifies after the plain decodes, and the drafts each one verifies."
-    drafts = {seq: list(seq.spec_token_ids) for seq in scheduled
-              if seq.spec_token_ids and seq.is_decoding}
-    if any(seq.spec_token_ids for seq in scheduled):
-        # stable sorts: verifies last here, then decodes first keeps them after the other decodes
-        scheduled = dict(sorted(scheduled.items(), key=lambda item: bool(item[0].spec_token_ids)))
-    out = _batch_without_drafts(self, scheduled)
-    out.spec_token_ids = [drafts.get(seq, []) for seq in out.seqs]
-    return out
-
-_input_ids_without_drafts = SchedulerOutput.input_ids.fget
-
-@patch(as_prop=True)
-def input_ids(self: SchedulerOutput) -> list[int]:
-    "The flat batch: each sequence's new token ids, then the drafts it verifies, in order."
-    if not any(self.spec_token_ids):
-        return _input_ids_without_drafts(self)
-    ids = []
-    rows = zip(self.seqs, self.num_computed_tokens, self.num_new_tokens, self.spec_token_ids)
-    for seq, done, new, drafts in rows:
-        # a step that runs past the last token runs the drafts after it
-        ids += seq.token_ids[done:done + new] + drafts[:max(done + new - len(seq.token_ids), 0)]
-    return ids
-
-_logits_indices_without_drafts = SchedulerOutput.logits_indices.fget
-
-@patch(as_prop=True)
-def logits_indices(self: SchedulerOutput) -> list[int]:
-    "Rows whose logits are needed: per sequence that samples, its last token's and its drafts'."
-    if not any(self.spec_token_ids):
-        return _logits_indices_without_drafts(self)
-    indices = []
-    ends = itertools.accumulate(self.num_new_tokens)       # where each sequence's rows end
-    for end, drafts, samples in zip(ends, self.spec_token_ids, self.do_sample):
-        if samples:
-            indices += range(end - 1 - len(drafts), end)
-    return indices
-
-_append_without_drafts = Scheduler._append
-
-@patch
-def _append(self: Scheduler, seq: Sequence, tokens: list[int]) -> str | None:
-    "A verify's tokens, its accepted drafts and one more: roll back over the rejected ones first."
-    if drafts := seq.spec_token_ids:
-        assert 1 <= len(tokens) <= len(drafts) + 1, (seq.seq_id, tokens, drafts)
-        # rejected drafts: their K/V is stale, computed over when their positions come
-        seq.num_computed_tokens -= len(drafts) + 1 - len(tokens)
-        seq.spec_token_ids = []
-    return _append_without_drafts(self, seq, tokens)
-
-_preempt_without_drafts = Scheduler._preempt
-
-@patch
-def _preempt(self: Scheduler, seq: Sequence):
-    "Chapter 12's preemption; its drafts go too, proposed afresh when it decodes again."
-    _preempt_without_drafts(self, seq)
-    seq.spec_token_ids = []

@@ -20,7 +20,8 @@ from .scheduler import Scheduler, SchedulerOutput, Sequence, SequenceStatus
 
 # %% auto #0
 __all__ = ['SPECULATIVE_METHODS', 'SpeculativeConfig', 'speculative_config', 'ngram_propose', 'verify_drafts', 'emitted_tokens',
-           'load_draft_model', 'draft_params', 'DraftModelProposer', 'Speculator']
+           'load_draft_model', 'draft_params', 'DraftModelProposer', 'SpeculativeSchedulerOutput',
+           'SpeculativeScheduler', 'Speculator']
 
 # %% ../../nbs/15_speculative.ipynb #aa4a30e5
 SPECULATIVE_METHODS = ('ngram', 'draft_model')
@@ -233,6 +234,95 @@ class DraftModelProposer:
             self.cached[seq.seq_id] = (num_done, seq.num_preemptions)
         return drafts, [torch.stack(rows) for rows in probs]
 
+# %% ../../nbs/15_speculative.ipynb #s15sc002
+@dataclass
+class SpeculativeSchedulerOutput(SchedulerOutput):
+    "Chapter 12's output, and the drafts each sequence verifies after its last token."
+    # one list per sequence, [] for none; this field replaces chapter 12's property of empty lists
+    spec_token_ids: list[list[int]] = ()
+
+    @property
+    def input_ids(self) -> list[int]:
+        "The flat batch: each sequence's new token ids, then the drafts it verifies, in order."
+        if not any(self.spec_token_ids):
+            return super().input_ids
+        ids = []
+        rows = zip(self.seqs, self.num_computed_tokens, self.num_new_tokens, self.spec_token_ids)
+        for seq, done, new, drafts in rows:
+            # a step that runs past the last token runs the drafts after it
+            ids += seq.token_ids[done:done + new] + drafts[:max(done + new - len(seq.token_ids), 0)]
+        return ids
+
+    @property
+    def logits_indices(self) -> list[int]:
+        "Rows whose logits are needed: per sequence that samples, its last token's and its drafts'."
+        if not any(self.spec_token_ids):
+            return super().logits_indices
+        indices = []
+        ends = itertools.accumulate(self.num_new_tokens)       # where each sequence's rows end
+        for end, drafts, samples in zip(ends, self.spec_token_ids, self.do_sample):
+            if samples:
+                indices += range(end - 1 - len(drafts), end)
+        return indices
+
+
+# %% ../../nbs/15_speculative.ipynb #s15sc004
+class SpeculativeScheduler(Scheduler):
+    "Chapter 12's scheduler, and decodes that verify drafts in the same flat batch."
+    def awaiting_drafts(self) -> list[Sequence]:
+        "Running sequences whose next step is a decode without drafts yet, most urgent first."
+        decoding = [seq for seq in self.running if seq.is_decoding and not seq.spec_token_ids]
+        return sorted(decoding, key=lambda s: s.urgency)
+
+    def max_drafts(self, seq: Sequence, num_speculative_tokens: int) -> int:
+        "Drafts seq's next decode may verify: none past max_tokens or max_model_len, within budget."
+        room = min(seq.sampling_params.max_tokens - seq.num_output_tokens,
+                   self.max_model_len - seq.num_tokens, self.max_num_batched_tokens) - 1
+        return max(0, min(num_speculative_tokens, room))
+
+    def reserve(self, seq: Sequence, num_tokens: int) -> bool:
+        "Slots for seq's next num_tokens tokens before schedule(), preempting less urgent ones."
+        # False: seq itself was preempted. A draft model writes its K/V ahead of the verify step.
+        if not self._make_room(seq, lambda: self.block_manager.can_append(seq, num_tokens), {}):
+            return False
+        self.block_manager.append_slots(seq, num_tokens)
+        return True
+
+    def _num_new_tokens(self, seq: Sequence, budget: int) -> int:
+        "A decode with drafts computes its last token and every draft, or nothing: it never splits."
+        if seq.spec_token_ids and seq.is_decoding:
+            num_new = 1 + len(seq.spec_token_ids)
+            return num_new if num_new <= budget else 0
+        return super()._num_new_tokens(seq, budget)
+
+    def _batch(self, scheduled: dict[Sequence, int]) -> SpeculativeSchedulerOutput:
+        "Chapter 12's output with the verifies after the plain decodes, and each one's drafts."
+        drafts = {seq: list(seq.spec_token_ids) for seq in scheduled
+                  if seq.spec_token_ids and seq.is_decoding}
+        if any(seq.spec_token_ids for seq in scheduled):
+            # stable sorts: verifies last here, then chapter 12's decodes first keeps them after
+            # the other decodes
+            scheduled = dict(sorted(scheduled.items(),
+                                    key=lambda item: bool(item[0].spec_token_ids)))
+        out = super()._batch(scheduled)
+        return SpeculativeSchedulerOutput(**vars(out),
+                                          spec_token_ids=[drafts.get(seq, []) for seq in out.seqs])
+
+    def _append(self, seq: Sequence, tokens: list[int]) -> str | None:
+        "A verify's tokens, accepted drafts and one more: roll back over the rejected ones first."
+        if drafts := seq.spec_token_ids:
+            assert 1 <= len(tokens) <= len(drafts) + 1, (seq.seq_id, tokens, drafts)
+            # rejected drafts: their K/V is stale, computed over when their positions come
+            seq.num_computed_tokens -= len(drafts) + 1 - len(tokens)
+            seq.spec_token_ids = []
+        return super()._append(seq, tokens)
+
+    def _preempt(self, seq: Sequence):
+        "Chapter 12's preemption; its drafts go too, proposed afresh when it decodes again."
+        super()._preempt(seq)
+        seq.spec_token_ids = []
+
+
 # %% ../../nbs/15_speculative.ipynb #b4ecf66b
 class Speculator:
     "Speculation inside the engine: drafts for the decodes before a step, verified after it."
@@ -249,7 +339,7 @@ class Speculator:
             self.draft = DraftModelProposer(draft_model, num_blocks, block_size, backend)
         self.draft_probs: dict[int, torch.Tensor] = {}   # seq id -> q of its drafts [d, V]
 
-    def propose(self, scheduler: Scheduler):
+    def propose(self, scheduler: SpeculativeScheduler):
         "Drafts for each decode that has none yet; a draft model's slots are reserved first."
         k = self.config.num_speculative_tokens
         if self.draft is None:
