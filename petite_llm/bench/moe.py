@@ -5,7 +5,7 @@
 from __future__ import annotations
 
 # %% auto 0
-__all__ = ['MOE_FULL', 'MOE_QUICK', 'MOE_KV_CACHE_MEMORY', 'MOE_GOALS', 'active_weight_bytes', 'measure_decode', 'run_moe_benchmark', 'moe_ratios', 'moe_table', 'add_moe_arguments', 'run_moe']
+__all__ = ['MOE_FULL', 'MOE_QUICK', 'MOE_KV_CACHE_MEMORY', 'MOE_GOALS', 'active_weight_bytes', 'measure_decode', 'run_moe_benchmark', 'moe_ratios', 'moe_table', 'add_moe_arguments', 'run_moe', 'moe_decode_profile']
 
 # %% ../../nbs/17_benchmarks.ipynb #220063ed
 # petite_llm.bench.moe: a mixture of experts at Qwen3-30B-A3B's shape, against transformers
@@ -14,12 +14,13 @@ import contextlib
 import json
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import torch
 
-from .offline import (_fmt, _free, _timed, cpu_name, linear_shapes, memory_read_gb_s,
-                                      num_threads, weight_bytes)
+from .offline import (_fmt, _free, _timed, cpu_name, linear_shapes,
+                                      memory_read_gb_s, num_threads, weight_bytes)
 from .peers import (PetitePeer, TransformersPeer, as_dtype, dtype_name,
                                     make_random_checkpoint, make_requests, shape_config)
 
@@ -89,7 +90,7 @@ def run_moe_benchmark(checkpoint=None, shape=None, layers=None, dtype='bfloat16'
         if checkpoint is None:   # written once for both engines, deleted after the run
             checkpoint = Path(stack.enter_context(tempfile.TemporaryDirectory()))/'moe'
         path = make_random_checkpoint(checkpoint, opts['shape'], dtype, opts['layers'], seed)
-        cfg = json.loads((path/'config.json').read_text())
+        cfg = shape_config(opts['shape'], opts['layers'])       # what was written
         with num_threads(threads) as n:
             res = dict(shape=opts['shape'], layers=cfg['num_hidden_layers'],
                        dtype=dtype_name(dtype), device=str(device), threads=n, cpu=cpu_name(),
@@ -191,3 +192,37 @@ def run_moe(args) -> dict:
     print(moe_table(res), file=sys.stderr)
     print(json.dumps(res, indent=2))
     return res
+
+# %% ../../nbs/17_benchmarks.ipynb #9a5aad28
+def moe_decode_profile(checkpoint, threads=(1, 2), decode_tokens: int = 8,
+                       prompt_len: int = 32, seed: int = 0) -> dict:
+    "Our batch-1 decode's CPU ms per token by kind of op, at each thread count (torch.profiler)."
+    from torch.profiler import ProfilerActivity, profile
+    peer = PetitePeer(checkpoint, torch.bfloat16, 'cpu', kv_cache_memory=MOE_KV_CACHE_MEMORY)
+    vocab_size = peer.llm.engine.model.config.vocab_size
+    prompts = iter(p for p, _ in make_requests(2 * len(threads) + 1, prompt_len, prompt_len,
+                                               vocab_size, seed=seed + 3000))
+    peer.generate([next(prompts)], [2])                       # warm-up
+    # the experts multiply by F.linear on slices of the stacked tensors (aten::mm); every
+    # nn.Linear (attention, router, lm_head) was prepacked at load (mkldnn::_linear_pointwise)
+    kinds = {'aten::mm': 'experts (F.linear)', 'mkldnn::_linear_pointwise': 'packed linears'}
+    out = {}
+    for n in threads:
+        with num_threads(n):
+            # a run of one token first: the prefill, subtracted from the decode run below
+            prefill_ms = {}
+            for tokens in (1, decode_tokens):
+                with profile(activities=[ProfilerActivity.CPU]) as prof:
+                    start = time.perf_counter()
+                    peer.generate([next(prompts)], [tokens])
+                    wall = time.perf_counter() - start
+                ms = {'wall': 1e3 * wall}
+                for event in prof.key_averages():
+                    kind = kinds.get(event.key, 'other ops')
+                    ms[kind] = ms.get(kind, 0.0) + event.self_cpu_time_total / 1e3
+                if tokens == 1:
+                    prefill_ms = ms
+        out[n] = {k: (v - prefill_ms.get(k, 0.0)) / (decode_tokens - 1) for k, v in ms.items()}
+    del peer
+    _free()
+    return out

@@ -26,12 +26,14 @@ def _mlp_shapes(cfg: dict, layer: int) -> list[tuple[int, int]]:
     "One token's MLP matmuls in `layer`: gate_up and down, or the router and k experts' (MoE)."
     H, I = cfg['hidden_size'], cfg['intermediate_size']
     # chapter 22's rule (is_sparse_layer): which layers have experts
-    sparse = (cfg.get('num_experts', 0) > 0 and layer not in cfg.get('mlp_only_layers', [])
+    # transformers 5.23 writes num_experts as num_local_experts in config.json
+    num_experts = cfg.get('num_experts') or cfg.get('num_local_experts', 0)
+    sparse = (num_experts > 0 and layer not in cfg.get('mlp_only_layers', [])
               and (layer + 1) % cfg.get('decoder_sparse_step', 1) == 0)
     if not sparse:
         return [(2 * I, H), (H, I)]
     moe_I = cfg['moe_intermediate_size']
-    return [(cfg['num_experts'], H)] + [(2 * moe_I, H), (H, moe_I)] * cfg['num_experts_per_tok']
+    return [(num_experts, H)] + [(2 * moe_I, H), (H, moe_I)] * cfg['num_experts_per_tok']
 
 def linear_shapes(cfg: dict) -> list[tuple[int, int]]:
     "(out, in) features of every matmul one token passes: qkv, o, the MLP's per layer, lm_head."
