@@ -196,12 +196,12 @@ def run_moe(args) -> dict:
 # %% ../../nbs/17_benchmarks.ipynb #9a5aad28
 def moe_decode_profile(checkpoint, threads=(1, 2), decode_tokens: int = 8,
                        prompt_len: int = 32, seed: int = 0) -> dict:
-    "Our batch-1 decode's CPU ms per token by kind of op, at each thread count (torch.profiler)."
+    "Our batch-1 decode steps' ms per token by kind of op, at each thread count (torch.profiler)."
     from torch.profiler import ProfilerActivity, profile
     peer = PetitePeer(checkpoint, torch.bfloat16, 'cpu', kv_cache_memory=MOE_KV_CACHE_MEMORY)
-    vocab_size = peer.llm.engine.model.config.vocab_size
-    prompts = iter(p for p, _ in make_requests(2 * len(threads) + 1, prompt_len, prompt_len,
-                                               vocab_size, seed=seed + 3000))
+    engine = peer.llm.engine
+    prompts = iter(p for p, _ in make_requests(len(threads) + 1, prompt_len, prompt_len,
+                                               engine.model.config.vocab_size, seed=seed + 3000))
     peer.generate([next(prompts)], [2])                       # warm-up
     # the experts multiply by F.linear on slices of the stacked tensors (aten::mm); every
     # nn.Linear (attention, router, lm_head) was prepacked at load (mkldnn::_linear_pointwise)
@@ -209,20 +209,19 @@ def moe_decode_profile(checkpoint, threads=(1, 2), decode_tokens: int = 8,
     out = {}
     for n in threads:
         with num_threads(n):
-            # a run of one token first: the prefill, subtracted from the decode run below
-            prefill_ms = {}
-            for tokens in (1, decode_tokens):
-                with profile(activities=[ProfilerActivity.CPU]) as prof:
-                    start = time.perf_counter()
-                    peer.generate([next(prompts)], [tokens])
-                    wall = time.perf_counter() - start
-                ms = {'wall': 1e3 * wall}
-                for event in prof.key_averages():
-                    kind = kinds.get(event.key, 'other ops')
-                    ms[kind] = ms.get(kind, 0.0) + event.self_cpu_time_total / 1e3
-                if tokens == 1:
-                    prefill_ms = ms
-        out[n] = {k: (v - prefill_ms.get(k, 0.0)) / (decode_tokens - 1) for k, v in ms.items()}
-    del peer
+            params = peer.SamplingParams(temperature=0, max_tokens=decode_tokens + 1,
+                                         ignore_eos=True)
+            engine.add_request(next(prompts), params)
+            engine.step()                          # the prefill and first token: not profiled
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                start = time.perf_counter()
+                while engine.has_unfinished_requests():
+                    engine.step()
+                ms = {'wall': 1e3 * (time.perf_counter() - start)}
+        for event in prof.key_averages():
+            kind = kinds.get(event.key, 'other ops')
+            ms[kind] = ms.get(kind, 0.0) + event.self_cpu_time_total / 1e3
+        out[n] = {kind: v / decode_tokens for kind, v in ms.items()}
+    del peer, engine
     _free()
     return out
