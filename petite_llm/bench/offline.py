@@ -17,17 +17,32 @@ from .peers import (SHAPES, PetitePeer, TransformersPeer, as_dtype, dtype_name,
 from ..model.layers.linear import PackedLinear, packed_linear_available
 
 # %% auto #0
-__all__ = ['FULL', 'QUICK', 'PARTS', 'DEFAULT_PARTS', 'linear_shapes', 'weight_bytes', 'memory_read_gb_s', 'linear_bound',
-           'measure_prefill_decode', 'measure_offline', 'choose_batch_size', 'num_threads', 'run_benchmark', 'ratios',
-           'plot_results', 'add_arguments', 'run', 'scoreboard']
+__all__ = ['FULL', 'QUICK', 'PARTS', 'DEFAULT_PARTS', 'linear_shapes', 'weight_bytes', 'cpu_name', 'memory_read_gb_s',
+           'linear_bound', 'measure_prefill_decode', 'measure_offline', 'choose_batch_size', 'num_threads',
+           'run_benchmark', 'ratios', 'plot_results', 'add_arguments', 'run', 'scoreboard']
 
 # %% ../../nbs/17_benchmarks.ipynb #b04d180f
+def _mlp_shapes(cfg: dict, layer: int) -> list[tuple[int, int]]:
+    "One token's MLP matmuls in `layer`: gate_up and down, or the router and k experts' (MoE)."
+    H, I = cfg['hidden_size'], cfg['intermediate_size']
+    # chapter 22's rule (is_sparse_layer): which layers have experts
+    # transformers 5.23 writes num_experts as num_local_experts in config.json
+    num_experts = cfg.get('num_experts') or cfg.get('num_local_experts', 0)
+    sparse = (num_experts > 0 and layer not in cfg.get('mlp_only_layers', [])
+              and (layer + 1) % cfg.get('decoder_sparse_step', 1) == 0)
+    if not sparse:
+        return [(2 * I, H), (H, I)]
+    moe_I = cfg['moe_intermediate_size']
+    return [(num_experts, H)] + [(2 * moe_I, H), (H, moe_I)] * cfg['num_experts_per_tok']
+
 def linear_shapes(cfg: dict) -> list[tuple[int, int]]:
-    "(out, in) features of every matmul one token passes: qkv, o, gate_up, down per layer, lm_head."
-    H, I, hd = cfg['hidden_size'], cfg['intermediate_size'], cfg['head_dim']
+    "(out, in) features of every matmul one token passes: qkv, o, the MLP's per layer, lm_head."
+    H, hd = cfg['hidden_size'], cfg['head_dim']
     q, kv = cfg['num_attention_heads'] * hd, cfg['num_key_value_heads'] * hd
-    layer = [(q + 2 * kv, H), (H, q), (2 * I, H), (H, I)]
-    return layer * cfg['num_hidden_layers'] + [(cfg['vocab_size'], H)]
+    shapes = []
+    for layer in range(cfg['num_hidden_layers']):
+        shapes += [(q + 2 * kv, H), (H, q)] + _mlp_shapes(cfg, layer)
+    return shapes + [(cfg['vocab_size'], H)]
 
 def weight_bytes(cfg: dict, dtype=torch.bfloat16) -> int:
     "Weight bytes a batch-1 decode step reads (the linears; norms and one embedding row are noise)."
@@ -46,6 +61,14 @@ def _timed(fn, device='cpu') -> float:
     fn()
     _sync(device)
     return time.perf_counter() - start
+
+def cpu_name() -> str:
+    "This CPU's model name (lscpu's), else the platform's processor string."
+    with contextlib.suppress(OSError):
+        for line in Path('/proc/cpuinfo').read_text().splitlines():
+            if line.startswith('model name'):
+                return line.split(':', 1)[1].strip()
+    return platform.processor() or platform.machine()
 
 def memory_read_gb_s(nbytes: int = 1 << 29, repeats: int = 5, device='cpu') -> float:
     "A STREAM-like read bandwidth in GB/s: the best time to sum a float32 tensor of nbytes."

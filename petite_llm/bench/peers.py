@@ -32,12 +32,29 @@ SHAPES = {
                      head_dim=128, rope_theta=1_000_000.0, max_position_embeddings=40960,
                      rms_norm_eps=1e-6, tie_word_embeddings=False,
                      bos_token_id=151643, eos_token_id=151645),
+    # Qwen/Qwen3-30B-A3B's config.json (transformers' Qwen3MoeConfig() defaults differ: 24 layers,
+    # head_dim 2048/32 = 64, norm_topk_prob False, rope_theta 1e4): 128 experts, 8 per token
+    'qwen3-30b-a3b': dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144,
+                          moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8,
+                          norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+                          num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4,
+                          head_dim=128, rope_theta=1_000_000.0, max_position_embeddings=40960,
+                          rms_norm_eps=1e-6, tie_word_embeddings=False,
+                          bos_token_id=151643, eos_token_id=151645),
     # the same family at toy size: smoke tests and this chapter's unflagged cells run it in seconds
     'tiny': dict(vocab_size=4096, hidden_size=256, intermediate_size=768,
                  num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
                  head_dim=64, rope_theta=1_000_000.0, max_position_embeddings=4096,
                  rms_norm_eps=1e-6, tie_word_embeddings=True,
                  bos_token_id=0, eos_token_id=1),
+    # the mixture of experts at toy size: 16 experts, 4 per token
+    'tiny-moe': dict(vocab_size=4096, hidden_size=256, intermediate_size=768,
+                     moe_intermediate_size=128, num_experts=16, num_experts_per_tok=4,
+                     norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+                     num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                     head_dim=64, rope_theta=1_000_000.0, max_position_embeddings=4096,
+                     rms_norm_eps=1e-6, tie_word_embeddings=False,
+                     bos_token_id=0, eos_token_id=1),
     # nothing to compute: a forward that costs next to nothing, for the engine's own host work
     'micro': dict(vocab_size=256, hidden_size=16, intermediate_size=32,
                   num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
@@ -93,12 +110,15 @@ def make_random_checkpoint(path=None, shape: str = 'qwen3-0.6b', dtype=torch.bfl
         raise ValueError(f"{path} exists but holds no checkpoint (config.json + *.safetensors): "
                          "delete it or pass another path")
     try:
-        from transformers import Qwen3Config, Qwen3ForCausalLM
+        import transformers
     except ImportError as e:
         raise ImportError("the benchmark needs transformers: pip install transformers") from e
+    family = 'Qwen3Moe' if 'num_experts' in cfg else 'Qwen3'
+    config_class = getattr(transformers, f'{family}Config')
+    model_class = getattr(transformers, f'{family}ForCausalLM')
     torch.manual_seed(seed)
     # built in dtype: no float32 copy
-    model = Qwen3ForCausalLM._from_config(Qwen3Config(**cfg), dtype=dtype)
+    model = model_class._from_config(config_class(**cfg), dtype=dtype)
     tmp = path.with_name(f'.{path.name}.tmp{os.getpid()}')
     tmp.parent.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(tmp)
