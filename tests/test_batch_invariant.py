@@ -1,4 +1,4 @@
-"""Batch invariance (chapter 20): with batch_invariant=True a request's tokens and logits equal its
+"""Batch invariance (chapter 21): with batch_invariant=True a request's tokens and logits equal its
 lone run, whatever runs beside it, however its prompt is chunked, after a prefix hit or not, on any
 block size. Checked in bfloat16 on a random Qwen3 wide enough (hidden 256) that the plain engine's
 rows do change with the batch: the same checks without the flag fail, and a test below shows it.
@@ -246,7 +246,7 @@ def test_triton_backend(bf16_path, record_logits):
 
 @pytest.mark.slow
 def test_tensor_parallel(bf16_path, lone):
-    "Two ranks (chapter 19) add their partial sums as a + b: each request still gets its lone tokens."
+    "Two ranks (chapter 20) add their partial sums as a + b: each request still gets its lone tokens."
     prompts, params = lone[0], _params(len(lone[0]))
     llm = _llm(bf16_path, tensor_parallel_size=2, max_num_batched_tokens=32)
     try:

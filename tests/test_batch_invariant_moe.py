@@ -1,4 +1,4 @@
-"""Batch invariance (chapter 20) for mixture-of-experts models (chapter 22): with
+"""Batch invariance (chapter 21) for mixture-of-experts models (chapter 23): with
 batch_invariant=True a prompt's tokens and logits are the same bits alone and inside batches of
 other sizes and compositions, chunked by other step budgets, for Qwen3-MoE and Qwen2-MoE (its
 shared expert). On the torch backend the experts are `BatchInvariantExperts` (one token per

@@ -1,4 +1,4 @@
-"""Batch invariance row by row (chapter 20), on any machine: each component of the mode's path
+"""Batch invariance row by row (chapter 21), on any machine: each component of the mode's path
 computes a row alone (R = 1) to the same bits as the same row among R = 2, 3, 7 and 32 others,
 for several head layouts and on one and two threads; and every matrix product and reduction in
 the mode is handed tensors of the same layout (contiguity, order of strides) at R = 1 as at R > 1,

@@ -1,4 +1,4 @@
-"""Batch invariance on a real model (chapter 20): SmolLM2-135M from its GGUF, in bfloat16 on two
+"""Batch invariance on a real model (chapter 21): SmolLM2-135M from its GGUF, in bfloat16 on two
 threads. Five probes keep their lone tokens and logprobs, bit for bit, inside a batch of
 mixed-length prompts, behind a 16-token step budget, and after a prefix-cache hit."""
 import pytest

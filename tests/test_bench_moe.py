@@ -1,4 +1,4 @@
-"""`petite-llm bench moe` and `petite-llm bench structured` (chapter 17): the MoE shapes, the bytes a
+"""`petite-llm bench moe` and `petite-llm bench structured` (chapter 18): the MoE shapes, the bytes a
 token reads, and every figure of a quick run. No timing is asserted: timings depend on the machine."""
 import argparse, json
 

@@ -119,7 +119,7 @@ def test_batch_invariant_flag_reaches_the_engine_config(command):
         engine_config(parse([*command, '--batch-invariant', '--enable-torch-compile']))
 
 def test_serve_limit_flags():
-    "`petite-llm serve` takes chapter 16's limits; a bad one is a clear error, not a server."
+    "`petite-llm serve` takes chapter 17's limits; a bad one is a clear error, not a server."
     from petite_llm.serve.limits import ServerLimits, limits_from_args
     parse = build_parser().parse_args
     assert limits_from_args(parse(['serve'])) == ServerLimits()

@@ -1,5 +1,5 @@
 """CUDA graphs (chapter 14): buckets, static buffers, padding, stale columns — and the same tokens,
-for dense models and for mixture-of-experts ones (chapter 22's fused path reads nothing back to the
+for dense models and for mixture-of-experts ones (chapter 23's fused path reads nothing back to the
 host, so the triton backend's MoE decode step is captured too).
 
 On a CPU the recording is replaced by a stand-in that re-runs the recorded function into the same

@@ -221,7 +221,7 @@ def test_fused_body_without_metadata_is_model_model(checkpoint):
 
 
 def test_fused_body_launches_at_most_10_kernels_per_layer():
-    "Chapter 13's goal, counted as chapter 17 counts it: 9 with unified attention."
+    "Chapter 13's goal, counted as chapter 18 counts it: 9 with unified attention."
     figures = launches_per_layer((1, 2), ('triton',), device=DEVICE)['triton']
     assert figures['per_layer'] == 9
     assert figures['per_layer_ops']['triton._qk_norm_rope_store_kernel'] == 1

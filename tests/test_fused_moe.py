@@ -1,11 +1,11 @@
-"""Chapter 22's fused-MoE fast path: `moe_align_block_size` lays the sorted assignments out in
+"""Chapter 23's fused-MoE fast path: `moe_align_block_size` lays the sorted assignments out in
 tiles of one expert each, and `fused_experts` (two grouped-GEMM launches) equals the torch
 reference `Experts.forward` for 4 to 128 experts, top-k 1 to 8 and 1 to 300 tokens, experts with
 no token included: float32 and float64 to their rounding, float16 (and bfloat16, on a GPU: the
 interpreter has no bfloat16 arithmetic) within a unit or two of the dtype's last place. Through
 the engine's triton backend, an MoE model gives transformers' greedy tokens (float64).
 What lets a CUDA graph capture it: its sizes follow from shapes alone (it runs on the `meta`
-device, which has shapes and no values) and it reads nothing back to the host. With chapter 20's
+device, which has shapes and no values) and it reads nothing back to the host. With chapter 21's
 `BatchInvariantExperts` it keeps one tile height for every batch, and (on a GPU) a token's output
 is the same bits alone and in any batch.
 

@@ -1,4 +1,4 @@
-"""Mixture-of-experts parity with transformers 5.23.0 (chapter 22): Qwen3-MoE with and without
+"""Mixture-of-experts parity with transformers 5.23.0 (chapter 23): Qwen3-MoE with and without
 `norm_topk_prob`, with `decoder_sparse_step=2` and with `mlp_only_layers`, and Qwen2-MoE with its
 shared expert. transformers writes each random checkpoint (`save_pretrained`, one tensor per
 expert); our loader stacks the experts. Compared in float64: logits to float64 rounding and greedy

@@ -1,4 +1,4 @@
-"""Mixture-of-experts models quantized and read from GGUF (chapters 06 and 18): int8 experts
+"""Mixture-of-experts models quantized and read from GGUF (chapters 06 and 19): int8 experts
 against the float ones and through the engine; Qwen3-MoE and Qwen2-MoE GGUFs (F32, F16, Q8_0)
 written with the `gguf` package from random transformers checkpoints, whose tensor names come from
 gguf's own name map, against transformers on the same (dequantized) weights."""

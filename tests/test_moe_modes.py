@@ -1,6 +1,6 @@
 """Mixture-of-experts models in the engine modes that tests/test_moe.py does not run: tensor
-parallelism on 2 gloo ranks (chapter 19: experts split along their intermediate size, one
-all-reduce per sparse block), speculation with a dense draft model (chapter 15) and async
+parallelism on 2 gloo ranks (chapter 20: experts split along their intermediate size, one
+all-reduce per sparse block), speculation with a dense draft model (chapter 16) and async
 scheduling (chapter 14). Qwen3-MoE and Qwen2-MoE (shared expert) checkpoints written by
 transformers (test_moe's fixture, one tensor per expert as the hub stores them), run in float64:
 greedy tokens must equal transformers'. Also the slices themselves, without processes: each rank's

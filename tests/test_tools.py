@@ -348,5 +348,5 @@ def test_chapter_models_reads_what_a_chapter_loads(sources, needs):
 def test_chapter_models_splits_the_book():
     model, free = chapter_models.split_chapters()
     assert sorted(model + free) == [p.stem for p in nbtools.chapters()]
-    assert {'06_weights', '17_benchmarks', '90_cli'} <= set(model)     # 90 asks SmolLM2 for Paris
+    assert {'06_weights', '18_benchmarks', '90_cli'} <= set(model)     # 90 asks SmolLM2 for Paris
     assert {'01_rmsnorm', '13_triton_kernels'} <= set(free)

@@ -3,7 +3,7 @@
 nbdev 2 writes a notebook's `#| default_exp` module afresh (its docstring: the notebook's
 `> summary`), but *appends* the cells of `#| export other` to an existing `other.py`, and refuses
 to create it. A module that no notebook names in `#| default_exp` (petite_llm/engine/backends.py,
-fed by chapter 11; petite_llm/model/layers/linear.py, fed by chapters 03 and 14b) would so gain a
+fed by chapter 11; petite_llm/model/layers/linear.py, fed by chapters 03 and 15) would so gain a
 second copy of its cells at every export. This script first resets each such module to a header
 whose docstring is the `# petite_llm.NAME: what it holds` line of the first cell that exports to
 it (a default_exp module with such a line gets it too, in place of the summary), writes each subpackage's `__init__.py` from PACKAGES, then runs nbdev_export, so `make export`
@@ -28,18 +28,18 @@ MODULE_DOC = re.compile(r'^# petite_llm\.([\w.]+): (.+)$', re.M)
 # each subpackage's docstring: what lives there, and which parts it may import (one way:
 # cli -> bench -> serve -> engine and parallel -> model; tools/import_graph.py checks it)
 PACKAGES = {
-    'model': "The model (chapters 00-09 and 18): config, layers, Qwen3, weights, quantization, "
+    'model': "The model (chapters 00-09 and 19): config, layers, Qwen3, weights, quantization, "
              "tokenizer, sampling and the no-cache generate loop. Imports no other part.",
     'model.layers': "The decoder's layers (chapters 01-04): RMSNorm, RoPE, attention, the MLP "
                     "and the linear layers they share.",
-    'engine': "The engine (chapters 10-15 and 20): KV cache, paging, scheduler, attention backends "
+    'engine': "The engine (chapters 10-16 and 21): KV cache, paging, scheduler, attention backends "
               "and Triton kernels, the model runner, LLMEngine and LLM. Imports model, and "
               "parallel for tensor-parallel workers.",
-    'parallel': "Tensor parallelism (chapter 19): sharding, row-parallel layers, collectives and "
+    'parallel': "Tensor parallelism (chapter 20): sharding, row-parallel layers, collectives and "
                 "worker processes. Imports model and engine.",
-    'serve': "The OpenAI-compatible server (chapter 16): AsyncLLMEngine, the protocol, the HTTP "
+    'serve': "The OpenAI-compatible server (chapter 17): AsyncLLMEngine, the protocol, the HTTP "
              "server, its limits and metrics. Imports engine, parallel and model.",
-    'bench': "Benchmarks (chapters 16 and 17): offline against transformers, host work, profiles, "
+    'bench': "Benchmarks (chapters 17 and 18): offline against transformers, host work, profiles, "
              "real models, load and soak tests of the server. Imports serve and below.",
     'cli': "The petite-llm command (chapter 90). Imports every other part.",
 }

@@ -4,7 +4,7 @@ For Qwen3-0.6B and Qwen3-8B in bfloat16, each with and without async scheduling:
 tok/s (CUDA graphs on, the engine's default on a GPU), for 8B also its share of the HBM roofline
 (weight bytes a token reads x tok/s / the device's peak bandwidth), nano-vllm's workload (256
 requests, input and output lengths uniform in 100-1024, ignore_eos) and an 8k-token prefill.
-The measurements are chapter 17's (petite_llm.bench). `python tools/gpu_check.py OUT [--dry]`
+The measurements are chapter 18's (petite_llm.bench). `python tools/gpu_check.py OUT [--dry]`
 writes OUT/gpu_check.json and prints one PASS/FAIL line per figure; tools/gpu_check.sh runs it.
 --dry: the same code on the CPU, at toy sizes, in seconds (make test runs it).
 """
@@ -40,7 +40,7 @@ PEAK_BANDWIDTH = [('H200', 4.8e12), ('H100 NVL', 3.9e12), ('H100 PCIe', 2.0e12),
 
 
 class BuiltPeer(PetitePeer):
-    "Chapter 17's PetitePeer on an LLM built here, around a model made on the device."
+    "Chapter 18's PetitePeer on an LLM built here, around a model made on the device."
     def __init__(self, llm: LLM):
         self.SamplingParams, self.llm = SamplingParams, llm
 

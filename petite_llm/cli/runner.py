@@ -55,19 +55,19 @@ def add_model_args(p: argparse.ArgumentParser):
                         "default: on a GPU, off on the CPU)")
     g.add_argument('--batch-invariant', action='store_true',
                    help="a request's tokens never depend on the batch it runs in: slower "
-                        "(chapter 20)")
+                        "(chapter 21)")
     g.add_argument('--enable-torch-compile', action='store_true',
                    help="compile the model's small ops with torch.compile, CPU only (chapter 14)")
     g.add_argument('--speculative', metavar='ngram|DRAFT',
-                   help="speculative decoding (chapter 15): 'ngram' proposes from the text "
+                   help="speculative decoding (chapter 16): 'ngram' proposes from the text "
                         "itself, a model path or id drafts with that model")
     g.add_argument('--num-speculative-tokens', type=int, default=4, metavar='K',
                    help='tokens proposed per step with --speculative (default 4)')
     g.add_argument('--quantization', choices=['int8'],
-                   help='int8 weights, one scale per output row (chapter 18)')
+                   help='int8 weights, one scale per output row (chapter 19)')
     g.add_argument('--tensor-parallel-size', type=int, default=1, metavar='N',
                    help='split the model over N processes, one per GPU or sharing the CPU '
-                        '(chapter 19; default 1)')
+                        '(chapter 20; default 1)')
 
 def engine_config(args, **options) -> EngineConfig:
     "The EngineConfig of a command's model options (--dtype, --device, the engine group)."
@@ -107,8 +107,8 @@ def add_sampling_args(p: argparse.ArgumentParser):
                    help='keep going past the end-of-sequence token')
     shape = g.add_mutually_exclusive_group()
     shape.add_argument('--json-schema', metavar='FILE',
-                       help='answer in JSON that follows the JSON schema in FILE (chapter 21)')
-    shape.add_argument('--regex', help='answer with text the regex matches whole (chapter 21)')
+                       help='answer in JSON that follows the JSON schema in FILE (chapter 22)')
+    shape.add_argument('--regex', help='answer with text the regex matches whole (chapter 22)')
 
 def structured_outputs(args, parser: argparse.ArgumentParser) -> dict | None:
     "--json-schema FILE or --regex as SamplingParams.structured_outputs; None for neither."

@@ -89,7 +89,7 @@ class AttentionBackend:
     "What every attention backend provides: this step's metadata, then attention over the pool."
     name = 'base'
     supports_cuda_graphs = False      # whether forward can be captured in a CUDA graph
-    batch_invariant = False           # whether a row's result never depends on the batch (ch. 20)
+    batch_invariant = False           # whether a row's result never depends on the batch (ch. 21)
 
     def build_metadata(self, block_tables: list[list[int]], num_computed_tokens: list[int],
                        num_new_tokens: list[int], block_size: int,

@@ -20,7 +20,7 @@ class EngineConfig:
     "Every option of the engine, in vLLM's names: LLM, LLMEngine, the CLI and the server pass one."
     dtype: str | torch.dtype | None = None    # None: the checkpoint's, or default_dtype for fp32
     device: str | None = None                 # None: CUDA when present, else the CPU
-    quantization: str | None = None           # 'int8': int8 weights (chapter 18)
+    quantization: str | None = None           # 'int8': int8 weights (chapter 19)
     block_size: int = 16                      # tokens per KV block
     kv_cache_memory: int | None = None        # bytes of KV pool; None: sized by the rule below
     gpu_memory_utilization: float = 0.9       # the share of the GPU this engine may take
@@ -31,10 +31,10 @@ class EngineConfig:
     attention_backend: str = 'auto'           # 'auto', 'torch' or 'triton'
     enforce_eager: bool = False               # no CUDA graphs
     enable_torch_compile: bool = False        # the small ops compiled (CPU)
-    speculative_config: dict | None = None    # chapter 15, vLLM's keys
+    speculative_config: dict | None = None    # chapter 16, vLLM's keys
     async_scheduling: bool | None = None      # step n+1 scheduled while n runs; None: see overlaps
     batch_invariant: bool = False             # a request's tokens never depend on the batch
-    tensor_parallel_size: int = 1             # processes that split the model (chapter 19)
+    tensor_parallel_size: int = 1             # processes that split the model (chapter 20)
 
     def __post_init__(self):
         size = self.tensor_parallel_size
@@ -46,7 +46,7 @@ class EngineConfig:
     def conflicts(self) -> list[str]:
         "Every rule these options break together, each with its way out (empty: they can run)."
         size, spec, tp = self.tensor_parallel_size, self.speculative_config, 'tensor_parallel_size'
-        # of chapter 15's methods only a draft model names a model
+        # of chapter 16's methods only a draft model names a model
         model = spec.get('model') if isinstance(spec, dict) else getattr(spec, 'model', None)
         rules = [
             (self.async_scheduling and spec is not None,
@@ -55,7 +55,7 @@ class EngineConfig:
             (self.batch_invariant and self.enable_torch_compile,
              "batch_invariant=True cannot run with enable_torch_compile=True: the compiled "
              "kernels are not made batch-invariant; turn one of them off"),
-            # chapter 19: rank 0 alone would hold the next step's tokens, or the draft
+            # chapter 20: rank 0 alone would hold the next step's tokens, or the draft
             (size > 1 and self.async_scheduling,
              f"{tp}={size} does not run with async_scheduling=True: the next step's token ids "
              f"would live on rank 0's device; turn it off, or use {tp}=1"),
@@ -65,7 +65,7 @@ class EngineConfig:
             (size > 1 and model is not None,
              f"{tp}={size} does not run with a draft model: turn that off (speculative method "
              f"'ngram' does run), or use {tp}=1"),
-            # chapter 20: two ranks add a + b, either way round; more may add in any order
+            # chapter 21: two ranks add a + b, either way round; more may add in any order
             (self.batch_invariant and size > 2,
              f"batch_invariant=True with {tp}={size}: an all-reduce over more than two ranks may "
              f"add their partial sums in an order that changes with the batch; use {tp} 1 or 2"),

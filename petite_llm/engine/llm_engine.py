@@ -81,7 +81,7 @@ class LLMEngine:
             draft = load_draft_model(spec_config, model)     # None for n-gram
         models = [model] + ([draft] if draft is not None else [])
         if config.batch_invariant:
-            from petite_llm.engine.batch_invariant import make_batch_invariant   # chapter 20
+            from petite_llm.engine.batch_invariant import make_batch_invariant   # chapter 21
             for net in models:
                 make_batch_invariant(net)       # every linear on tiles of a fixed row count
         sizes = size_engine(config, models)
@@ -89,7 +89,7 @@ class LLMEngine:
         self.kv_cache_memory, self.max_model_len = sizes.kv_cache_memory, sizes.max_model_len
         self.block_manager = BlockManager(sizes.num_blocks, config.block_size,
                                           config.enable_prefix_caching)
-        scheduler_type = Scheduler if spec_config is None else SpeculativeScheduler   # chapter 15
+        scheduler_type = Scheduler if spec_config is None else SpeculativeScheduler   # chapter 16
         self.scheduler = scheduler_type(self.block_manager, sizes.max_num_batched_tokens,
                                         sizes.max_num_seqs, sizes.max_model_len, self.eos_token_ids)
         self.speculator = None
@@ -105,7 +105,7 @@ class LLMEngine:
         self._busy = 0.0
         self.spec_stats = SpecDecodingStats()      # over every request
         self._in_flight: StepInFlight | None = None   # launched, not resolved (async scheduling)
-        self.structured: StructuredOutputs | None = None   # the first grammar makes it (ch. 21)
+        self.structured: StructuredOutputs | None = None   # the first grammar makes it (ch. 22)
 
     def _attention_backend(self) -> AttentionBackend:
         "A new backend of the configured kind for this engine's device."
@@ -125,7 +125,7 @@ class LLMEngine:
         config = (config or EngineConfig()).updated(**options)
         workers = None
         if config.tensor_parallel_size > 1:
-            from petite_llm.parallel.worker import start_tensor_parallel     # chapter 19
+            from petite_llm.parallel.worker import start_tensor_parallel     # chapter 20
             net, path, config, workers = start_tensor_parallel(model, config)
         else:
             net, path = load_engine_model(model, config.dtype, config.device, config.quantization)
@@ -148,7 +148,7 @@ class LLMEngine:
             raise
 
     def shutdown(self):
-        "Stop a tensor-parallel engine's worker processes (chapter 19); nothing to do otherwise."
+        "Stop a tensor-parallel engine's worker processes (chapter 20); nothing to do otherwise."
         if self.runner.workers is not None:
             self.runner.workers.shutdown()
 
@@ -193,7 +193,7 @@ class LLMEngine:
             for seq in seqs:
                 self.scheduler.check(seq)
             if params.structured_outputs is not None:
-                # chapter 21: held until its grammar compiles (ValueError if it cannot)
+                # chapter 22: held until its grammar compiles (ValueError if it cannot)
                 from petite_llm.engine.structured import StructuredOutputs
                 self.structured = self.structured or StructuredOutputs.for_engine(self)
                 self.structured.add(seqs, params.structured_outputs)
@@ -226,14 +226,14 @@ class LLMEngine:
         # resolve the one in flight, unless a sampler reads its tokens (then that one first)
         start = time.perf_counter()
         if self.structured is not None:
-            self.structured.admit(self.scheduler)   # requests whose grammar compiled (chapter 21)
+            self.structured.admit(self.scheduler)   # requests whose grammar compiled (chapter 22)
         prev, self._in_flight = self._in_flight, None
         overlap = self.config.async_scheduling and self._can_overlap()
         if prev is not None and not overlap:
             return self._finish_step(prev, start)
         if self.scheduler.has_unfinished_requests():
             if self.speculator is not None:
-                self.speculator.propose(self.scheduler)      # drafts for the decodes (chapter 15)
+                self.speculator.propose(self.scheduler)      # drafts for the decodes (chapter 16)
             scheduled = self.scheduler.schedule()
             if len(scheduled):
                 # prompt tokens: what the step computes besides its decodes (chunks, recomputes)
@@ -251,7 +251,7 @@ class LLMEngine:
         scheduled, result = step.scheduled, self.runner.resolve(step)
         num_tokens = sum(len(seq.token_ids) for seq in result.seqs)
         self.scheduler.update(scheduled, result.token_ids)
-        if self.structured is not None:           # chapter 21: a grammar that ended stops its text
+        if self.structured is not None:           # chapter 22: a grammar that ended stops its text
             from petite_llm.engine.structured import advance
             for seq in advance(result.seqs, result.token_ids):
                 self.scheduler.finish(seq.seq_id, 'stop', seq.token_ids[-1])
@@ -307,7 +307,7 @@ class LLM:
                                doc="Bytes of the KV pool.")
 
     def shutdown(self):
-        "Stop the engine's worker processes, if it has any (tensor parallelism, chapter 19)."
+        "Stop the engine's worker processes, if it has any (tensor parallelism, chapter 20)."
         self.engine.shutdown()
 
     def generate(self, prompts, sampling_params=None, priority=None,

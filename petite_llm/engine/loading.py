@@ -40,7 +40,7 @@ def get_attention_backend(name: str = 'auto', device='cpu',
     if name == 'auto':
         name = 'triton' if on_cuda and has_triton else 'torch'
     if name == 'torch' and batch_invariant:
-        # chapter 20 builds on this module, so it is imported only when asked for
+        # chapter 21 builds on this module, so it is imported only when asked for
         from petite_llm.engine.batch_invariant import BatchInvariantAttention
         return BatchInvariantAttention()
     if name == 'torch':
@@ -60,7 +60,7 @@ def load_engine_model(model, dtype=None, device=None, quantization: str | None =
                       shard=None) -> tuple[nn.Module, Path | None]:
     "A model for the engine and the path it came from: a built model moved, or a path loaded."
     if quantization is not None:
-        # chapter 18 builds on this module, so it is imported only when asked for
+        # chapter 19 builds on this module, so it is imported only when asked for
         from petite_llm.model.quantization import QUANTIZATION_METHODS, load_q8_0, quantize_model
         if quantization not in QUANTIZATION_METHODS:
             raise ValueError(f"unknown quantization {quantization!r}: choose one of "
@@ -85,7 +85,7 @@ def load_engine_model(model, dtype=None, device=None, quantization: str | None =
         num = quantize_model(net, quantization)
         # a GGUF's Q8_0 matrices come from their blocks, not from the float copy just loaded
         file = checkpoint_path(path)                # a folder holding one .gguf: that file
-        # (a tensor-parallel rank reads its own slices of them: chapter 19)
+        # (a tensor-parallel rank reads its own slices of them: chapter 20)
         from_gguf = load_q8_0(net, file) if file.suffix == '.gguf' and shard is None else 0
         logger.info("%d linear layers quantized to %s (%d of them read from Q8_0 blocks)",
                     num, quantization, from_gguf)
@@ -99,7 +99,7 @@ def read_generation_config(path) -> dict:
     file = Path(path) / 'generation_config.json'
     return json.loads(file.read_text()) if file.is_file() else {}
 
-# %% ../../nbs/14b_engine_performance.ipynb #3ca2999d
+# %% ../../nbs/15_engine_performance.ipynb #3ca2999d
 def native_bf16(device) -> str | None:
     "What computes bfloat16 natively on `device` (None if nothing): a GPU's, AMX or AVX512-BF16."
     device = torch.device(device)

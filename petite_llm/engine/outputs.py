@@ -43,7 +43,7 @@ class CompletionOutput:
 
 @dataclass(kw_only=True)
 class SpecDecodingStats:
-    "Speculative decoding's counters (chapter 15): decodes that verified drafts, drafts, accepted."
+    "Speculative decoding's counters (chapter 16): decodes that verified drafts, drafts, accepted."
     num_drafts: int = 0                 # decodes that verified at least one draft
     num_draft_tokens: int = 0           # drafts verified
     num_accepted_tokens: int = 0        # drafts accepted

@@ -29,7 +29,7 @@ from .scheduler import SchedulerOutput, Sequence
 class ModelRunnerOutput:
     "What one forward pass chose for the sequences that reached their last token (in `seqs` order)."
     seqs: list[Sequence]                     # [S] the sequences that sampled this step
-    # [S] each one's new tokens: one, or 1 ... d + 1 after verifying d drafts (chapter 15)
+    # [S] each one's new tokens: one, or 1 ... d + 1 after verifying d drafts (chapter 16)
     token_ids: list[list[int]]
     logprobs: list[list[dict[int, float] | None]]   # [S] per new token: top-k logprobs, if asked
     logits: torch.Tensor                     # [R, V] raw logits of the rows that sample
@@ -49,11 +49,11 @@ class ModelRunner:
         self.backend = backend if backend is not None else TorchAttentionBackend()
         self.sampler = Sampler()
         self.compiled = compiled          # the model under torch.compile (CPU), or None
-        self.speculator = speculator      # chapter 15's Speculator, for steps that verify drafts
+        self.speculator = speculator      # chapter 16's Speculator, for steps that verify drafts
         self.cuda_graphs: CUDAGraphs | None = None    # recorded by capture_cuda_graphs
         # what forward calls: model.model, or a backend's fused body sharing its parameters
         self.body = self.backend.model_body(model)
-        self.workers = workers            # chapter 19: the other ranks, sent each step's inputs
+        self.workers = workers            # chapter 20: the other ranks, sent each step's inputs
 
     def step_inputs(self, scheduled: SchedulerOutput) -> tuple:
         "The step as lists (block tables, token counts, ids, logits rows), sent to other ranks."
@@ -124,7 +124,7 @@ class ModelRunner:
         logits = self.execute(self.step_inputs(scheduled), self._fill_pending(scheduled, prev))
         seqs = scheduled.sampling_seqs
         if any(scheduled.spec_token_ids):
-            # chapter 15: rejection sampling over the rows of the drafts, on the host
+            # chapter 16: rejection sampling over the rows of the drafts, on the host
             return StepInFlight(scheduled, seqs, logits,
                                 output=self.speculator.sample(scheduled, logits, self.sampler))
         params = [seq.sampling_params for seq in seqs]
@@ -140,7 +140,7 @@ class ModelRunner:
                           else [range(n) for n in num_out])
             allowed = logits
             if any(seq.grammar is not None for seq in seqs):
-                # chapter 21 (imported only when asked for): a constrained row keeps only the
+                # chapter 22 (imported only when asked for): a constrained row keeps only the
                 # tokens its grammar allows
                 from petite_llm.engine.structured import mask_logits
                 allowed = mask_logits(logits, seqs)
@@ -222,14 +222,14 @@ def build_runner(model: nn.Module, config: EngineConfig, sizes: EngineSizes,
     backend = get_attention_backend(config.attention_backend, device, config.batch_invariant)
     runner = ModelRunner(model, sizes.num_blocks, config.block_size, backend,
                          compiled, speculator, workers)
-    # the triton backend runs a mixture-of-experts layer as chapter 22's fused kernels, which
+    # the triton backend runs a mixture-of-experts layer as chapter 23's fused kernels, which
     # read nothing back to the host: its decode step is captured as a dense one's
     capturable = backend.supports_cuda_graphs
     if not config.enforce_eager and device.type == 'cuda' and capturable:
         runner.capture_cuda_graphs(sizes.max_num_seqs, sizes.max_model_len)
     return runner
 
-# %% ../../nbs/14b_engine_performance.ipynb #961fdedd
+# %% ../../nbs/15_engine_performance.ipynb #961fdedd
 def cuda_graph_batch_sizes(max_num_seqs: int) -> list[int]:
     "Batch sizes to record: the powers of two below max_num_seqs, then max_num_seqs itself."
     sizes = [1]
@@ -310,7 +310,7 @@ class CUDAGraphs:
         replay()
         return hidden[:num_seqs]
 
-# %% ../../nbs/14b_engine_performance.ipynb #bdcd5818
+# %% ../../nbs/15_engine_performance.ipynb #bdcd5818
 # the metadata of the step a compiled model is running, for its attention op to read
 _step_metadata: ContextVar[AttentionMetadata] = ContextVar('petite_llm_step_metadata')
 

@@ -40,8 +40,8 @@ class Sequence:
         self.num_cached_tokens = 0     # of those, found in the prefix cache at the last admission
         self.block_table: list[int] = []
         self.stop_ids: set[int] = set()   # eos and stop token ids, set by Scheduler.add
-        self.grammar = None            # its grammar's matcher, if constrained (chapter 21)
-        # drafts its next decode verifies (chapter 15): assigned whole, never changed in place
+        self.grammar = None            # its grammar's matcher, if constrained (chapter 22)
+        # drafts its next decode verifies (chapter 16): assigned whole, never changed in place
         self.spec_token_ids: list[int] = []
         self.arrival = -1              # set by Scheduler.add: first come, first served
         self.status = SequenceStatus.WAITING
@@ -119,7 +119,7 @@ class SchedulerOutput:
 
     @property
     def spec_token_ids(self) -> list[list[int]]:
-        "Drafts each sequence verifies: none (chapter 15's SpeculativeSchedulerOutput holds them)."
+        "Drafts each sequence verifies: none (chapter 16's SpeculativeSchedulerOutput holds them)."
         return [[] for _ in self.seqs]
 
     def __len__(self):

@@ -22,7 +22,7 @@ class TritonAttentionBackend(AttentionBackend):
     def __init__(self, num_sms: int | None = None, batch_invariant: bool = False):
         # None: the GPU's SM count, read at the first step (1 on a CPU: never split)
         self.num_sms = num_sms
-        # chapter 20: one tile shape and no split, so a row's result never depends on the batch
+        # chapter 21: one tile shape and no split, so a row's result never depends on the batch
         self.batch_invariant = batch_invariant
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache,
@@ -92,7 +92,7 @@ class FusedModelBody(nn.Module):
         hidden = attn.o_proj(out.view(-1, attn.q_size))                   # [T, hidden]
         norm = layer.post_attention_layernorm
         x, residual = fused_add_rms_norm(hidden, residual, norm.weight, norm.eps)
-        if isinstance(mlp, SparseMoeBlock):    # chapter 22: the experts in two grouped GEMMs
-            fused = isinstance(mlp.experts, Experts)   # int8 experts (chapter 18) run their own
+        if isinstance(mlp, SparseMoeBlock):    # chapter 23: the experts in two grouped GEMMs
+            fused = isinstance(mlp.experts, Experts)   # int8 experts (chapter 19) run their own
             return mlp(x, experts_forward=fused_experts if fused else None), residual
         return mlp.down_proj(silu_and_mul(mlp.gate_up_proj(x))), residual

@@ -57,7 +57,7 @@ class ModelConfig:
     torch_dtype: torch.dtype | None = None
     bos_token_id: int | None = None
     eos_token_id: list[int] = field(default_factory=list)
-    # mixture of experts (chapter 22); num_experts=0: every layer has a dense MLP
+    # mixture of experts (chapter 23); num_experts=0: every layer has a dense MLP
     num_experts: int = 0             # routed experts in each sparse layer
     num_experts_per_tok: int = 0     # k: experts each token is sent to
     moe_intermediate_size: int = 0   # the MLP width of one expert

@@ -22,7 +22,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.self_attn = Attention(config, layer_idx)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.mlp = make_mlp(config, layer_idx)    # dense, or experts (chapter 22)
+        self.mlp = make_mlp(config, layer_idx)    # dense, or experts (chapter 23)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
                 attn_metadata=None) -> torch.Tensor:

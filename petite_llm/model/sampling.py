@@ -109,7 +109,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     # what each step reports: the whole completion so far, or nothing until it ends
     output_kind: str = 'cumulative'   # 'cumulative' | 'final_only' (offline generate)
-    # JSON, a regex, a choice or a grammar the output must follow (chapter 21)
+    # JSON, a regex, a choice or a grammar the output must follow (chapter 22)
     structured_outputs: StructuredOutputsParams | dict | None = None
 
     def __post_init__(self):

@@ -32,7 +32,7 @@ class MergedLinear(nn.Linear):
         with torch.no_grad():
             param[start:start + size].copy_(loaded)
 
-# %% ../../../nbs/14b_engine_performance.ipynb #3432c018
+# %% ../../../nbs/15_engine_performance.ipynb #3432c018
 def packed_linear_available(dtype: torch.dtype, device='cpu') -> bool:
     "Whether oneDNN's prepacked linear runs here for dtype (CPU only; bf16 needs oneDNN's bf16)."
     if torch.device(device).type != 'cpu' or not torch.backends.mkldnn.is_available():
