@@ -47,7 +47,7 @@ class OneTokenAtATime:
     "An expert stack run one token at a time: a token's products and their sum never see another."
     def forward(self, x: torch.Tensor, weights: torch.Tensor,
                 experts: torch.Tensor) -> torch.Tensor:
-        "x [T, H], weights and expert ids [T, k] -> [T, H]: the stack's forward on each token alone."
+        "x [T, H], weights and expert ids [T, k] -> [T, H]: the stack's forward, token by token."
         forward = super().forward                      # the stack's own, on one token
         return torch.cat([forward(*token)
                           for token in zip(x.split(1), weights.split(1), experts.split(1))])
