@@ -78,7 +78,7 @@ def memory_read_gb_s(nbytes: int = 1 << 29, repeats: int = 5, device='cpu') -> f
 
 def linear_bound(cfg: dict, dtype=torch.bfloat16, device='cpu', repeats: int = 5,
                  packed: bool = False) -> dict:
-    "Time eager F.linear (or chapter 14's PackedLinear) over the model's weight shapes, one token."
+    "Time eager F.linear (or chapter 15's PackedLinear) over the model's weight shapes, one token."
     dtype, shapes = as_dtype(dtype), linear_shapes(cfg)
     if packed and not packed_linear_available(dtype, device):
         raise ValueError(f"no prepacked linear for {dtype} on {device}")

@@ -338,7 +338,7 @@ def run_serve_benchmark(model=None, base_url: str | None = None,
         res['server'] = dict(base_url=base_url, model=name, **measure(base_url, name, 'petite_llm'))
         return res
     device = str(resolve_device(device))
-    # both servers get it explicitly: chapter 14's default rule, named
+    # both servers get it explicitly: chapter 15's default rule, named
     dtype = dtype or str(default_dtype(device)).removeprefix('torch.')
     env = dict(os.environ, **({'OMP_NUM_THREADS': str(threads)} if threads else {}))
     logs = Path(log_dir or tempfile.mkdtemp(prefix='petite-llm-bench-serve-'))
@@ -409,7 +409,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     a('--seed', type=int, default=0, help='seed of the lengths, prompts and arrivals')
     a('--engines', default='petite_llm,transformers',
       help='whose servers to start, one after the other (default petite_llm,transformers)')
-    a('--dtype', help="the servers' dtype (default: chapter 14's default_dtype)")
+    a('--dtype', help="the servers' dtype (default: chapter 15's default_dtype)")
     a('--device', help='the servers\' device (default: cuda when there is a GPU, else cpu)')
     a('--threads', type=int, help="each server's torch threads (default: torch's, one per core)")
     a('--transformers-args', default='', metavar='ARGS',

@@ -59,8 +59,11 @@ def structured_cost(model=None, batch_size: int = 32, max_tokens: int = 16, repe
         free = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
         under_schema = SamplingParams(temperature=0, max_tokens=max_tokens,
                                       structured_outputs={'json': STORY})
-        # warm-up, and STORY compiled before any timing
+        # warm-up, and STORY compiled before any timing; then one untimed round of each at the
+        # batch's own shapes (a first run of new shapes is slower, and would skew the first ratio)
         llm.generate([[1, 2, 3]] * 2, [free, under_schema], use_tqdm=False)
+        for params in (free, under_schema):
+            _decode_tok_s(llm, params, batch_size, max_tokens, 1, -100_000)
         free_tok_s, json_tok_s = [], []
         for r in range(repeats):        # in turn: a busy moment of the machine hits both
             offset = 100_000 * r
@@ -73,7 +76,7 @@ def structured_cost(model=None, batch_size: int = 32, max_tokens: int = 16, repe
         person = StructuredOutputsParams(json=PERSON)
         # the first call compiles, the second finds it in the cache
         compile_ms = [1e3 * _timed(lambda: fresh.compile(person).result()) for _ in range(2)]
-        dtype = engine.model.model.embed_tokens.weight.dtype   # chapter 14's rule, unless given
+        dtype = engine.model.model.embed_tokens.weight.dtype   # chapter 15's rule, unless given
         res = dict(model=real_model(model).name, dtype=dtype_name(dtype), device=device,
                    threads=n, cpu=cpu_name(), batch_size=batch_size,
                    max_tokens=max_tokens, free_tok_s=max(free_tok_s),
@@ -98,7 +101,7 @@ def add_structured_arguments(parser: argparse.ArgumentParser) -> argparse.Argume
     "Add the `petite-llm bench structured` options to an argparse parser."
     a = parser.add_argument
     a('--model', help='a folder or .gguf file (default: the SmolLM2-135M-Instruct GGUF shipped)')
-    a('--dtype', help="the engine's dtype (default: chapter 14's rule for this machine)")
+    a('--dtype', help="the engine's dtype (default: chapter 15's rule for this machine)")
     a('--threads', type=int,
       help='torch threads for the whole run (default: torch.get_num_threads())')
     a('--batch-size', type=int, default=32, help='requests in the batch (default 32)')

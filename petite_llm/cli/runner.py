@@ -26,7 +26,7 @@ def default_model() -> str:
     return str(smollm2_gguf_path())
 
 def resolve_device_dtype(device: str = 'auto', dtype: str = 'auto'):
-    "--device and --dtype as a torch.device and a dtype (auto: None, chapter 14's rule decides)."
+    "--device and --dtype as a torch.device and a dtype (auto: None, chapter 15's rule decides)."
     from petite_llm.model.config import parse_dtype, resolve_device
     return resolve_device(None if device == 'auto' else device), parse_dtype(dtype)
 
@@ -49,7 +49,7 @@ def add_model_args(p: argparse.ArgumentParser):
                    help="chapter 11's torch reference or chapter 13's Triton kernels "
                         "(default auto: triton on a GPU, torch on the CPU)")
     g.add_argument('--enforce-eager', action='store_true',
-                   help='no CUDA graphs: run every decode step eagerly (chapter 14)')
+                   help='no CUDA graphs: run every decode step eagerly (chapter 15)')
     g.add_argument('--async-scheduling', action=argparse.BooleanOptionalAction,
                    help="prepare the next step while the device runs this one (chapter 14; "
                         "default: on a GPU, off on the CPU)")
@@ -57,7 +57,7 @@ def add_model_args(p: argparse.ArgumentParser):
                    help="a request's tokens never depend on the batch it runs in: slower "
                         "(chapter 21)")
     g.add_argument('--enable-torch-compile', action='store_true',
-                   help="compile the model's small ops with torch.compile, CPU only (chapter 14)")
+                   help="compile the model's small ops with torch.compile, CPU only (chapter 15)")
     g.add_argument('--speculative', metavar='ngram|DRAFT',
                    help="speculative decoding (chapter 16): 'ngram' proposes from the text "
                         "itself, a model path or id drafts with that model")

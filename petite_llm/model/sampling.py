@@ -319,9 +319,12 @@ class Sampler:
             x[rows] = apply_top_p(x[rows], _col(params, rows, 'top_p', dev))
         if rows := _rows(params, lambda p: not p.greedy and p.min_p > 0):
             x[rows] = apply_min_p(x[rows], _col(params, rows, 'min_p', dev))
-        probs = x.softmax(dim=-1)                                            # [R, V]
-        if rows := _rows(params, lambda p: p.greedy):
-            probs[rows] = torch.nn.functional.one_hot(x[rows].argmax(-1), V).float()
+        greedy = _rows(params, lambda p: p.greedy)
+        # greedy rows are a one-hot of their argmax: no softmax where every row is greedy
+        probs = x.softmax(dim=-1) if len(greedy) < len(params) else torch.zeros_like(x)  # [R, V]
+        if greedy:
+            probs[greedy] = 0
+            probs[greedy, x[greedy].argmax(-1)] = 1
         return probs
 
     def noise(self, probs: torch.Tensor, params, output_ids) -> torch.Tensor:
