@@ -17,6 +17,7 @@ from petite_llm.model.moe import Experts, SparseMoeBlock
 from petite_llm.model.quantization import Int8Experts, Int8Linear, load_q8_0, quantize_model
 from petite_llm.model.weights import load_model
 from test_parity import hf_greedy, hf_logits, ours_greedy, ours_logits, prompts, randomize_
+from test_rope_scaling import gguf_writer
 
 torch.set_num_threads(1)
 
@@ -185,16 +186,7 @@ def write_moe_gguf(path, hf, arch, kind):
     """hf's weights as a GGUF of `arch`, matrices in `kind` (norms, biases and routers in F32),
     names from gguf's own map; returns transformers' state dict of the values as stored."""
     cfg = hf.config
-    writer = gguf.GGUFWriter(str(path), arch)
-    writer.add_block_count(cfg.num_hidden_layers)
-    writer.add_context_length(cfg.max_position_embeddings)
-    writer.add_embedding_length(cfg.hidden_size)
-    writer.add_feed_forward_length(cfg.intermediate_size)
-    writer.add_head_count(cfg.num_attention_heads)
-    writer.add_head_count_kv(cfg.num_key_value_heads)
-    writer.add_key_length(cfg.head_dim)
-    writer.add_rope_freq_base(cfg.rope_parameters['rope_theta'])
-    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer = gguf_writer(path, arch, cfg, cfg.rope_parameters['rope_theta'])
     writer.add_expert_count(cfg.num_experts)
     writer.add_expert_used_count(cfg.num_experts_per_tok)
     writer.add_expert_feed_forward_length(cfg.moe_intermediate_size)

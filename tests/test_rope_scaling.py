@@ -166,9 +166,8 @@ def test_unknown_rope_type_is_refused_by_name(tmp_path):
 
 # --- GGUF ------------------------------------------------------------------------------------
 
-def write_gguf(path, checkpoint, model, arch, rope_keys=(), rope_freqs=None):
-    "A checkpoint's shapes and its transformers model's weights as a float32 GGUF of `arch`."
-    config = ModelConfig.from_pretrained(checkpoint)
+def gguf_writer(path, arch, config, rope_theta):
+    "A GGUFWriter of `arch` holding the shape keys every test GGUF has, from config's fields."
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_block_count(config.num_hidden_layers)
     writer.add_context_length(config.max_position_embeddings)
@@ -177,8 +176,15 @@ def write_gguf(path, checkpoint, model, arch, rope_keys=(), rope_freqs=None):
     writer.add_head_count(config.num_attention_heads)
     writer.add_head_count_kv(config.num_key_value_heads)
     writer.add_key_length(config.head_dim)
-    writer.add_rope_freq_base(config.rope_theta)
+    writer.add_rope_freq_base(rope_theta)
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    return writer
+
+
+def write_gguf(path, checkpoint, model, arch, rope_keys=(), rope_freqs=None):
+    "A checkpoint's shapes and its transformers model's weights as a float32 GGUF of `arch`."
+    config = ModelConfig.from_pretrained(checkpoint)
+    writer = gguf_writer(path, arch, config, config.rope_theta)
     writer.add_tokenizer_model('gpt2')
     writer.add_token_list([f't{i}' for i in range(config.vocab_size)])
     for key, value in rope_keys:
