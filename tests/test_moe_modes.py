@@ -57,12 +57,16 @@ def _rank_models(path, size=2):
             for rank in range(size)]
 
 
-@pytest.mark.parametrize('case', CASES)
-def test_each_rank_holds_its_slice_of_every_expert(checkpoints, case):
+@pytest.fixture(scope='module', params=CASES)
+def whole_and_ranks(request, checkpoints):
+    "A case's whole model and its two ranks' shards (float64), loaded once for the tests below."
+    path, _ = checkpoints[request.param]
+    return load_model(path, dtype=torch.float64, progress=False), _rank_models(path)
+
+
+def test_each_rank_holds_its_slice_of_every_expert(whole_and_ranks):
     "gate and up rows, down columns of the same slice of I; the router and shared gate whole."
-    path, _ = checkpoints[case]
-    whole = load_model(path, dtype=torch.float64, progress=False)
-    ranks = _rank_models(path)
+    whole, ranks = whole_and_ranks
     sparse = [i for i, layer in enumerate(whole.model.layers)
               if isinstance(layer.mlp, SparseMoeBlock)]
     assert sparse
@@ -82,12 +86,9 @@ def test_each_rank_holds_its_slice_of_every_expert(checkpoints, case):
                                block.shared_expert.down_proj.weight)
 
 
-@pytest.mark.parametrize('case', CASES)
-def test_the_ranks_partial_sums_add_up_to_the_block(checkpoints, case):
+def test_the_ranks_partial_sums_add_up_to_the_block(whole_and_ranks):
     "Every rank routes alike (same router, same x); the sum of their outputs is the whole block's."
-    path, _ = checkpoints[case]
-    whole = load_model(path, dtype=torch.float64, progress=False)
-    ranks = _rank_models(path)
+    whole, ranks = whole_and_ranks
     x = torch.randn(13, whole.config.hidden_size, dtype=torch.float64,
                     generator=torch.Generator().manual_seed(0))
     for i, layer in enumerate(whole.model.layers):
