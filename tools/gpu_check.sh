@@ -6,7 +6,7 @@
 # tools/gpu_session.sh; no network, no model download.
 #   1. pytest on CUDA: Triton kernels, fused body, CUDA graphs, async scheduling, batch invariance
 #      (tests/test_kernels.py, test_fused.py, test_cuda_graphs.py, test_batch_invariant.py, then
-#      test_engine.py -k async), at most 4 minutes 15 s
+#      test_engine.py -k async, test_fused_moe.py), at most 5 minutes 15 s
 #   2. tools/gpu_check.py: Qwen3-0.6B and Qwen3-8B shapes with random bfloat16 weights made on the
 #      GPU, each with and without async scheduling: batch-1 decode tok/s (CUDA graphs), the 8B
 #      decode's share of the HBM roofline, nano-vllm's workload (256 requests, lengths 100-1024)
@@ -42,6 +42,9 @@ else
   timeout 45 python3 -m pytest -q -m "not slow" tests/test_engine.py -k async 2>&1 |
     tee -a "$OUT/pytest.log"
   note "pytest on CUDA: async scheduling" "${PIPESTATUS[0]}"
+  timeout 60 python3 -m pytest -q -m "not slow" tests/test_fused_moe.py 2>&1 |
+    tee -a "$OUT/pytest.log"
+  note "pytest on CUDA: fused MoE (bfloat16 included)" "${PIPESTATUS[0]}"
 fi
 
 timeout 210 "$PY" tools/gpu_check.py "$OUT" $([ "$DRY" = 1 ] && echo --dry) 2>&1 |
