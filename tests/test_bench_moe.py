@@ -6,8 +6,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from petite_llm.bench.moe import (active_weight_bytes, add_moe_arguments, moe_table,
-                                  run_moe, run_moe_benchmark)
+from petite_llm.bench.moe import (active_weight_bytes, add_moe_arguments, moe_decode_profile,
+                                  moe_table, run_moe, run_moe_benchmark)
 from petite_llm.bench.offline import linear_shapes
 from petite_llm.bench.peers import make_random_checkpoint, shape_config
 from petite_llm.bench.structured import add_structured_arguments, run_structured
@@ -59,6 +59,15 @@ def test_quick_moe_run_prints_json_with_every_figure(tmp_path, capsys):
     assert res['bound_tok_s'] == pytest.approx(res['memory_read_gb_s'] * 1e9
                                                / res['active_weight_bytes'])
     assert 'goal >= 3.0x' in moe_table(res)
+    assert 'no engine can be more than' in moe_table(res)
+
+
+def test_the_decode_profile_puts_the_experts_ops_under_experts(tmp_path):
+    "Every op inside an expert stack's forward counts as 'experts', whatever op it is."
+    path = make_random_checkpoint(tmp_path/'moe', 'tiny-moe', torch.bfloat16, 2, 0)
+    ms = moe_decode_profile(path, threads=(1,), decode_tokens=2, prompt_len=4)[1]
+    assert set(ms) <= {'wall', 'experts', 'packed linears', 'other ops'}
+    assert ms['experts'] > 0 and ms['other ops'] > 0 and ms['wall'] > 0
 
 
 def test_structured_cost_on_the_default_model(capsys):

@@ -5,7 +5,9 @@ expert); our loader stacks the experts. Compared in float64: logits to float64 r
 tokens equal, by the reference path and through the engine (chunked prefill, prefix caching,
 preemption, n-gram speculation; the Triton backend, whose MoE block runs the fused kernel, in
 tests/test_fused_moe.py; tensor parallelism, a dense draft model and async scheduling in
-tests/test_moe_modes.py). No test downloads anything.
+tests/test_moe_modes.py). On a CPU whose oneDNN packs a dtype, `PackedExperts` (each expert's
+matrices packed once) gives the reference's sum, and a bfloat16 engine runs it. No test downloads
+anything.
 """
 import json
 
@@ -17,7 +19,8 @@ from safetensors.torch import save_file
 from petite_llm import LLM, SamplingParams
 from petite_llm.engine.paging import kv_bytes_per_block
 from petite_llm.model.config import ModelConfig
-from petite_llm.model.moe import SparseMoeBlock
+from petite_llm.model.layers.linear import packed_linear_available
+from petite_llm.model.moe import Experts, PackedExperts, SparseMoeBlock, route
 from petite_llm.model.weights import load_model
 from petite_llm.parallel.tensor_parallel import check_tensor_parallel, tensor_parallel_sizes
 from test_parity import hf_greedy, hf_logits, ours_greedy, ours_logits, prompts, randomize_
@@ -200,3 +203,40 @@ def test_engine_ngram_speculation(checkpoints, case):
               speculative_config=spec)
     assert _engine_tokens(llm, batch, 10) == [hf_greedy(hf, p, 10) for p in batch]
 
+
+
+@pytest.mark.parametrize('dtype', [torch.float32, torch.bfloat16])
+def test_packed_experts_give_the_reference_sum(dtype):
+    "1, 5 and 40 tokens over 16 experts (some without a token): Experts' sum to rounding."
+    if not packed_linear_available(dtype):
+        pytest.skip(f"this CPU's oneDNN has no packed {dtype} product")
+    torch.manual_seed(0)
+    stack = Experts(num_experts=16, hidden_size=64, intermediate_size=32)
+    torch.nn.init.normal_(stack.gate_up_proj, std=64**-.5)
+    torch.nn.init.normal_(stack.down_proj, std=32**-.5)
+    stack = stack.to(dtype)
+    packed = stack.prepacked()
+    assert isinstance(packed, PackedExperts) and len(packed.gate_up_proj) == 16
+    # float32: oneDNN may add in another order; bfloat16: a few units of its last place
+    tol = {torch.float32: 1e-5, torch.bfloat16: 2e-2}[dtype]
+    for tokens in (1, 5, 40):
+        x = torch.randn(tokens, 64).to(dtype)                           # [T, H]
+        weights, ids = route(torch.randn(tokens, 16).to(dtype), 4, norm_topk_prob=True)
+        want, got = stack(x, weights, ids).float(), packed(x, weights, ids).float()
+        assert (got - want).abs().max() <= tol * want.abs().max()
+
+
+@pytest.mark.skipif(not packed_linear_available(torch.bfloat16),
+                    reason="this CPU's oneDNN has no packed bfloat16 product")
+def test_a_bfloat16_cpu_engine_packs_its_experts(checkpoints):
+    "Loaded by the engine in bf16 on a CPU: every stack packed; the logits, the plain model's."
+    path = checkpoints['qwen2-shared'][0]
+    llm = LLM(path, dtype=torch.bfloat16, device='cpu', kv_cache_memory=_pool(path, 256))
+    packed = llm.engine.model
+    assert all(isinstance(packed.model.layers[i].mlp.experts, PackedExperts)
+               for i in sparse_layers(packed))
+    plain = load_model(path, dtype=torch.bfloat16, progress=False)
+    assert isinstance(plain.model.layers[0].mlp.experts, Experts)
+    for ids in prompts(VOCAB, [1, 9], seed=9):
+        want, got = ours_logits(plain, ids).float(), ours_logits(packed, ids).float()
+        assert (got - want).abs().max() <= 2e-2 * want.abs().max()       # bf16 rounding

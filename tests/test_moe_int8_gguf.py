@@ -2,6 +2,7 @@
 against the float ones and through the engine; Qwen3-MoE and Qwen2-MoE GGUFs (F32, F16, Q8_0)
 written with the `gguf` package from random transformers checkpoints, whose tensor names come from
 gguf's own name map, against transformers on the same (dequantized) weights."""
+import logging
 import re
 
 import gguf
@@ -297,3 +298,27 @@ def test_engine_loads_a_q8_0_moe_gguf_as_int8(ggufs):
     quantize_model(reference, 'int8')
     load_q8_0(reference, file)
     assert ours == [ours_greedy(reference, p, 5) for p in batch]
+
+
+def test_a_q8_0_moe_gguf_over_two_ranks(ggufs, record_logits, caplog):
+    "2 gloo ranks, each reading its slice of every Q8_0 expert: the first logits of one rank."
+    file, _ = ggufs['qwen2moe', 'Q8_0']
+    batch = prompts(VOCAB, [4, 9], seed=8)
+    first = SamplingParams(temperature=0, max_tokens=1)
+    logits = {}
+    for size in (1, 2):
+        with caplog.at_level(logging.INFO, logger='petite_llm'):
+            llm = LLM(file, tensor_parallel_size=size, quantization='int8', dtype=torch.float64,
+                      device='cpu', block_size=4, kv_cache_memory=2**22)
+        try:
+            rows = record_logits(llm)
+            llm.generate(batch, first, use_tqdm=False)
+            logits[size] = torch.stack([rows[tuple(p)][0] for p in batch])
+        finally:
+            llm.shutdown()
+    E, L = BASE['num_experts'], BASE['num_hidden_layers']
+    # every expert's three matrices, the shared expert's three, q k v o, then the head
+    assert f"rank 0: {L * (3 * E + 3 + 4) + 1} matrices read from Q8_0 blocks" in caplog.text
+    # a rank's rows and columns are slices of one rank's int8 matrices, scales and all: only the
+    # all-reduce's order of sums differs
+    assert (logits[2] - logits[1]).abs().max() <= 1e-9 * logits[1].abs().max()

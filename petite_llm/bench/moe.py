@@ -23,10 +23,11 @@ from .offline import (_fmt, _free, _timed, cpu_name, linear_shapes,
                                       memory_read_gb_s, num_threads, weight_bytes)
 from .peers import (PetitePeer, TransformersPeer, as_dtype, dtype_name,
                                     make_random_checkpoint, make_requests, shape_config)
+from ..model.moe import SparseMoeBlock
 
 # %% ../../nbs/18_benchmarks.ipynb #f16e2904
 MOE_FULL = dict(shape='qwen3-30b-a3b', layers=4, batch_sizes=(1, 16), prompt_len=32,
-                decode_tokens=16, repeats=2, read_bytes=1 << 30)
+                decode_tokens=64, repeats=2, read_bytes=1 << 30)
 MOE_QUICK = dict(shape='tiny-moe', layers=2, batch_sizes=(1, 4), prompt_len=8,
                  decode_tokens=4, repeats=1, read_bytes=1 << 24)
 MOE_KV_CACHE_MEMORY = 1 << 28   # 256 MiB: 32k tokens at 4 layers, beside a 6 GB model
@@ -100,6 +101,8 @@ def run_moe_benchmark(checkpoint=None, shape=None, layers=None, dtype='bfloat16'
                        active_weight_bytes=active_weight_bytes(cfg, dtype),
                        matmuls_per_token=len(linear_shapes(cfg)))
             res['bound_tok_s'] = res['memory_read_gb_s'] * 1e9 / res['active_weight_bytes']
+            if device.type == 'cuda':
+                res['gpu'] = torch.cuda.get_device_name(device)
             for name in engines:   # one at a time: two copies of the weights never coexist
                 res[name] = _measure_moe_engine(name, path, cfg, dtype, device, opts, seed)
     res['ratios'] = moe_ratios(res)
@@ -138,6 +141,10 @@ def moe_table(res: dict) -> str:
                  f"per token, memory read {res['memory_read_gb_s']:.1f} GB/s "
                  f"-> {res['bound_tok_s']:.1f} tok/s")
     r = res['ratios']
+    if 'transformers_batch_1_vs_bound' in r:     # what the bound leaves to gain on transformers
+        lines.append(f"transformers' batch 1 is {r['transformers_batch_1_vs_bound']:.0%} of the "
+                     f"bound: no engine can be more than "
+                     f"{1 / r['transformers_batch_1_vs_bound']:.2f}x faster here")
     goals = [('batch-1 decode vs transformers', r.get('batch_1_vs_transformers'),
               MOE_GOALS['batch_1_vs_transformers'], 'x'),
              ('batch-1 decode vs the bound', r.get('petite_llm_batch_1_vs_bound'),
@@ -152,9 +159,9 @@ def moe_table(res: dict) -> str:
             lines.append(f"{label}: {shown[0]} (goal >= {shown[1]}: {met})")
     if 'transformers' in res:
         lines.append(f"transformers' experts: {res['transformers']['experts_implementation']}")
+    where = f"{res['device']} ({res['gpu']})" if 'gpu' in res else res['device']
     lines.append(f"{res['shape']} cut to {res['layers']} layers · {res['dtype']} · "
-                 f"{res['device']} · {res['threads']} threads · {res['cpu']} · "
-                 f"torch {res['torch']}")
+                 f"{where} · {res['threads']} threads · {res['cpu']} · torch {res['torch']}")
     return '\n'.join(lines)
 
 # %% ../../nbs/18_benchmarks.ipynb #031c514b
@@ -168,6 +175,7 @@ def add_moe_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
       help='folder for the random checkpoint, written once and kept (default: a temporary '
            'folder deleted after the run)')
     a('--dtype', default='bfloat16', help='bfloat16 (default), float16, float32')
+    a('--device', default='cpu', help='cpu (default) or cuda')
     a('--threads', type=int,
       help='torch threads for the whole run (default: torch.get_num_threads())')
     a('--batch-sizes', help="decode batch sizes (default 1,16)")
@@ -183,7 +191,7 @@ def run_moe(args) -> dict:
     batch_sizes = args.batch_sizes and tuple(int(b) for b in args.batch_sizes.split(','))
     with contextlib.redirect_stdout(sys.stderr):
         res = run_moe_benchmark(args.checkpoint, args.shape, args.layers, args.dtype,
-                                args.threads, batch_sizes=batch_sizes,
+                                args.threads, args.device, batch_sizes=batch_sizes,
                                 decode_tokens=args.decode_tokens, quick=args.quick,
                                 engines=tuple(e.strip() for e in args.engines.split(',')))
     if args.out:
@@ -194,6 +202,25 @@ def run_moe(args) -> dict:
     return res
 
 # %% ../../nbs/18_benchmarks.ipynb #9a5aad28
+def _mark_experts(model: torch.nn.Module):
+    "Run each expert stack's forward inside a profiler range named 'experts'."
+    from torch.profiler import record_function
+    for block in model.modules():
+        if isinstance(block, SparseMoeBlock):
+            def marked(*args, forward=block.experts.forward):
+                with record_function('experts'):
+                    return forward(*args)
+            block.experts.forward = marked
+
+def _op_kind(event) -> str:
+    "'experts' for any op inside their range, else 'packed linears' or 'other ops'."
+    parent = event
+    while parent is not None:
+        if parent.name == 'experts':
+            return 'experts'
+        parent = parent.cpu_parent
+    return 'packed linears' if event.name == 'mkldnn::_linear_pointwise' else 'other ops'
+
 def moe_decode_profile(checkpoint, threads=(1, 2), decode_tokens: int = 8,
                        prompt_len: int = 32, seed: int = 0) -> dict:
     "Our batch-1 decode steps' ms per token by kind of op, at each thread count (torch.profiler)."
@@ -203,9 +230,7 @@ def moe_decode_profile(checkpoint, threads=(1, 2), decode_tokens: int = 8,
     prompts = iter(p for p, _ in make_requests(len(threads) + 1, prompt_len, prompt_len,
                                                engine.model.config.vocab_size, seed=seed + 3000))
     peer.generate([next(prompts)], [2])                       # warm-up
-    # the experts multiply by F.linear on slices of the stacked tensors (aten::mm); every
-    # nn.Linear (attention, router, lm_head) was prepacked at load (mkldnn::_linear_pointwise)
-    kinds = {'aten::mm': 'experts (F.linear)', 'mkldnn::_linear_pointwise': 'packed linears'}
+    _mark_experts(engine.model)
     out = {}
     for n in threads:
         with num_threads(n):
@@ -218,8 +243,8 @@ def moe_decode_profile(checkpoint, threads=(1, 2), decode_tokens: int = 8,
                 while engine.has_unfinished_requests():
                     engine.step()
                 ms = {'wall': 1e3 * (time.perf_counter() - start)}
-        for event in prof.key_averages():
-            kind = kinds.get(event.key, 'other ops')
+        for event in prof.events():
+            kind = _op_kind(event)
             ms[kind] = ms.get(kind, 0.0) + event.self_cpu_time_total / 1e3
         out[n] = {kind: v / decode_tokens for kind, v in ms.items()}
     del peer, engine

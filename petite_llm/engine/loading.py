@@ -90,7 +90,8 @@ def load_engine_model(model, dtype=None, device=None, quantization: str | None =
         logger.info("%d linear layers quantized to %s (%d of them read from Q8_0 blocks)",
                     num, quantization, from_gguf)
     if num_packed := prepack_linears(net):
-        logger.info("packed %d linear layers for oneDNN (bfloat16 on CPU)", num_packed)
+        logger.info("packed %d linear layers or expert stacks for oneDNN (bf16 on CPU)",
+                    num_packed)
     return net, path
 def read_generation_config(path) -> dict:
     "generation_config.json of a checkpoint folder, or {}."

@@ -13,7 +13,7 @@ from torch import nn
 
 from .config import ModelConfig, _gguf_fields, _open_gguf
 from .layers.linear import PackedLinear
-from .moe import Experts, SparseMoeBlock
+from .moe import Experts, SparseMoeBlock, by_expert
 from .weights import map_gguf_name, map_hf_name, per_expert, unpermute_qk
 
 # %% auto #0
@@ -95,19 +95,18 @@ class Int8Experts(nn.Module):
         "The int8 twin of a float Experts; the scales in its weights' dtype."
         return cls(*quantize_int8(experts.gate_up_proj), *quantize_int8(experts.down_proj))
 
+    def expert_mlp(self, expert: int, x: torch.Tensor) -> torch.Tensor:   # [n, H] -> [n, H]
+        "Expert `expert`'s SwiGLU MLP on the rows routed to it, on its int8 matrices."
+        gate_up = int8_linear(x, self.gate_up_proj[expert],
+                              self.gate_up_proj_scale[expert])                   # [n, 2I]
+        gate, up = gate_up.chunk(2, dim=-1)
+        return int8_linear(F.silu(gate) * up, self.down_proj[expert],
+                           self.down_proj_scale[expert])
+
     def forward(self, x: torch.Tensor, weights: torch.Tensor,
                 experts: torch.Tensor) -> torch.Tensor:
         "x [T, H], weights and expert ids [T, k] -> [T, H]; only the active experts are read."
-        out = torch.zeros_like(x)
-        for expert in experts.unique().tolist():
-            token, slot = (experts == expert).nonzero(as_tuple=True)             # [n] each
-            gate_up = int8_linear(x[token], self.gate_up_proj[expert],
-                                  self.gate_up_proj_scale[expert])               # [n, 2I]
-            gate, up = gate_up.chunk(2, dim=-1)
-            y = int8_linear(F.silu(gate) * up, self.down_proj[expert],
-                            self.down_proj_scale[expert])                        # [n, H]
-            out.index_add_(0, token, y * weights[token, slot, None])
-        return out
+        return by_expert(x, weights, experts, self.num_experts, self.expert_mlp)
 
 
 # %% ../../nbs/19_quantization.ipynb #3a7fd7fe

@@ -77,9 +77,12 @@ def prepack_linears(model: nn.Module) -> int:
     p = next(model.parameters())
     if p.dtype != torch.bfloat16 or not packed_linear_available(p.dtype, p.device):
         return 0
-    linears = [(parent, name, child) for parent in model.modules()
-               for name, child in parent.named_children() if isinstance(child, nn.Linear)]
-    for parent, name, linear in linears:
-        # frees the plain weight (not a tied one)
-        setattr(parent, name, PackedLinear(linear.weight, linear.bias))
-    return len(linears)
+    # a module with other weights that knows its packed form has prepacked() (chapter 23's experts)
+    packable = [(parent, name, child) for parent in model.modules()
+                for name, child in parent.named_children()
+                if isinstance(child, nn.Linear) or hasattr(child, 'prepacked')]
+    for parent, name, child in packable:
+        # frees the plain weights (not a tied one)
+        setattr(parent, name, child.prepacked() if hasattr(child, 'prepacked') else
+                PackedLinear(child.weight, child.bias))
+    return len(packable)
