@@ -4,6 +4,7 @@
 
 # %% ../../nbs/00_config.ipynb #a25dbb41
 from __future__ import annotations
+import functools
 import json
 import platform
 from dataclasses import dataclass, field
@@ -246,10 +247,16 @@ def from_dict(cls: ModelConfig, config_dict: dict) -> ModelConfig:
 # %% ../../nbs/00_config.ipynb #087d2d48
 def _open_gguf(path):
     "A `gguf.GGUFReader` on `path`, or ValueError naming the file when it is not a readable GGUF."
-    from gguf import GGUFReader
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"{path} is not a valid GGUF file: it does not exist")
+    stat = path.stat()            # a file written again is a new version, parsed again
+    return _parsed_gguf(path.resolve(), stat.st_mtime_ns, stat.st_size)
+
+@functools.lru_cache(maxsize=4)
+def _parsed_gguf(path: Path, mtime_ns: int, size: int):
+    "The reader of one version of a GGUF file, parsed once per process (a failure is not kept)."
+    from gguf import GGUFReader
     try:
         return GGUFReader(path)
     except Exception as e:
