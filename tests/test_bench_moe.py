@@ -56,6 +56,8 @@ def test_quick_moe_run_prints_json_with_every_figure(tmp_path, capsys):
         assert all(res[engine][b]['decode_tok_s'] > 0 for b in ('batch_1', 'batch_4'))
     assert set(res['ratios']) == {'batch_1_vs_transformers', 'batch_4_vs_transformers',
                                   'petite_llm_batch_1_vs_bound', 'transformers_batch_1_vs_bound'}
+    assert res['memory_read_gb_s'] == max(res['memory_read_samples_gb_s'])   # before, after
+    assert len(res['memory_read_samples_gb_s']) == 2
     assert res['bound_tok_s'] == pytest.approx(res['memory_read_gb_s'] * 1e9
                                                / res['active_weight_bytes'])
     assert 'goal >= 3.0x' in moe_table(res)
