@@ -93,6 +93,7 @@ class FusedModelBody(nn.Module):
         norm = layer.post_attention_layernorm
         x, residual = fused_add_rms_norm(hidden, residual, norm.weight, norm.eps)
         if isinstance(mlp, SparseMoeBlock):    # chapter 23: the experts in two grouped GEMMs
-            fused = isinstance(mlp.experts, Experts)   # int8 experts (chapter 19) run their own
+            # int8 (chapter 19) and oneDNN-packed (chapter 23) experts run their own forward
+            fused = isinstance(mlp.experts, Experts)
             return mlp(x, experts_forward=fused_experts if fused else None), residual
         return mlp.down_proj(silu_and_mul(mlp.gate_up_proj(x))), residual

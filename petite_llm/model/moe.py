@@ -98,7 +98,7 @@ class SparseMoeBlock(nn.Module):
         "The routed experts' weighted sum, plus the gated shared expert if there is one."
         weights, experts = route(self.gate(x), self.top_k, self.norm_topk_prob)   # [T, k] each
         # experts_forward(self.experts, x, weights, experts): a faster kernel, same sum
-        run = experts_forward or Experts.__call__
+        run = experts_forward or nn.Module.__call__      # else the stack's own forward
         out = run(self.experts, x, weights, experts)
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
