@@ -63,6 +63,9 @@ def test_quick_moe_run_prints_json_with_every_figure(tmp_path, capsys):
     # a bf16 CPU run with oneDNN's packed products also reads through them (the engine's kernel)
     ways = {'sum', 'products'} if packed_linear_available(torch.bfloat16) else {'sum'}
     assert all(set(sample) == ways for sample in samples)
+    # and then the table says how fast those products alone are against transformers
+    assert ('products_tok_s' in res) == ('products' in ways)
+    assert ("one token's products alone" in moe_table(res)) == ('products' in ways)
     assert res['bound_tok_s'] == pytest.approx(res['memory_read_gb_s'] * 1e9
                                                / res['active_weight_bytes'])
     assert 'goal >= 3.0x' in moe_table(res)

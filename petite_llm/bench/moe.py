@@ -117,6 +117,9 @@ def run_moe_benchmark(checkpoint=None, shape=None, layers=None, dtype='bfloat16'
     res['memory_read_samples_gb_s'] = reads
     res['memory_read_gb_s'] = max(v for sample in reads for v in sample.values())
     res['bound_tok_s'] = res['memory_read_gb_s'] * 1e9 / res['active_weight_bytes']
+    products = [sample['products'] for sample in reads if 'products' in sample]
+    if products:   # one token's products alone: no decode built on them can be faster
+        res['products_tok_s'] = max(products) * 1e9 / weight_bytes(cfg, dtype)
     res['ratios'] = moe_ratios(res)
     return res
 
@@ -136,6 +139,27 @@ def moe_ratios(res: dict) -> dict:
 # %% ../../nbs/18_benchmarks.ipynb #0956a41a
 MOE_GOALS = dict(batch_1_vs_transformers=3.0, batch_1_vs_bound=0.6, batch_16_vs_transformers=2.0)
 
+def _bound_lines(res: dict) -> list[str]:
+    "The bound, how its bandwidth was read, and the ceilings it and our products set on a ratio."
+    lines = [f"bound at batch 1: {res['active_weight_bytes'] / 1e9:.3f} GB of active weights "
+             f"per token at {res['memory_read_gb_s']:.1f} GB/s -> {res['bound_tok_s']:.1f} tok/s"]
+    reads = res.get('memory_read_samples_gb_s')    # absent from runs older than the two ways
+    if reads:
+        ways = ' or '.join(dict(sum='a float32 sum', products="one token's products")[way]
+                           for way in reads[0])
+        lines.append(f"  (GB/s: the fastest read of {ways}, before and after the engines)")
+    hf_share = res['ratios'].get('transformers_batch_1_vs_bound')
+    if hf_share:                                # what the bound leaves to gain on transformers
+        lines.append(f"transformers' batch 1 is {hf_share:.0%} of the bound: no engine can be "
+                     f"more than {1 / hf_share:.2f}x faster here")
+    hf_batch_1 = res.get('transformers', {}).get('batch_1')
+    if 'products_tok_s' in res and hf_batch_1:  # the same, for a decode on oneDNN's products
+        lines.append(f"one token's products alone (oneDNN, packed): {res['products_tok_s']:.1f} "
+                     f"tok/s, {res['products_tok_s'] / hf_batch_1['decode_tok_s']:.2f}x "
+                     "transformers' batch 1")
+        lines.append("  (no decode built on these products can be faster)")
+    return lines
+
 def moe_table(res: dict) -> str:
     "A plain-text table of a MoE run: decode tok/s per batch size, the ratios, the bound, goals."
     engine = res.get('petite_llm') or res['transformers']
@@ -149,19 +173,8 @@ def moe_table(res: dict) -> str:
     w = [max(len(r[i]) for r in rows) for i in range(4)]
     lines = ['  '.join(c.ljust(w[i]) if i == 0 else c.rjust(w[i]) for i, c in enumerate(r))
              for r in rows]
-    lines.append(f"bound at batch 1: {res['active_weight_bytes'] / 1e9:.3f} GB of active weights "
-                 f"per token at {res['memory_read_gb_s']:.1f} GB/s "
-                 f"-> {res['bound_tok_s']:.1f} tok/s")
-    reads = res.get('memory_read_samples_gb_s')    # absent from runs older than the two ways
-    if reads:
-        ways = ' or '.join(dict(sum='a float32 sum', products="one token's products")[way]
-                           for way in reads[0])
-        lines.append(f"  (GB/s: the fastest read of {ways}, before and after the engines)")
+    lines += _bound_lines(res)
     r = res['ratios']
-    if 'transformers_batch_1_vs_bound' in r:     # what the bound leaves to gain on transformers
-        lines.append(f"transformers' batch 1 is {r['transformers_batch_1_vs_bound']:.0%} of the "
-                     f"bound: no engine can be more than "
-                     f"{1 / r['transformers_batch_1_vs_bound']:.2f}x faster here")
     goals = [('batch-1 decode vs transformers', r.get('batch_1_vs_transformers'),
               MOE_GOALS['batch_1_vs_transformers'], 'x'),
              ('batch-1 decode vs the bound', r.get('petite_llm_batch_1_vs_bound'),
