@@ -2,9 +2,9 @@
 batch_invariant=True a prompt's tokens and logits are the same bits alone and inside batches of
 other sizes and compositions, chunked by other step budgets, for Qwen3-MoE and Qwen2-MoE (its
 shared expert). On the torch backend the experts are `BatchInvariantExperts` (one token per
-product), or, in bfloat16 on a CPU whose oneDNN computes it, `PackedExperts` whose packed products
-chapter 21 calls one row at a time; on the triton backend they run in the fused-MoE kernel with one tile height and the
-top-k sum in slot order (its bits checked on a GPU). Both give transformers' greedy tokens in
+product), or, in bfloat16 on a CPU whose oneDNN computes it, `PackedExperts` whose packed
+products chapter 21 calls one row at a time; on the triton backend they run in the fused-MoE
+kernel with one tile height and the top-k sum in slot order (its bits checked on a GPU). Both give transformers' greedy tokens in
 float64 (the triton backend in Triton's interpreter on a CPU). Every product, sum and layout is
 the same whatever the batch, so bit equality is what the mode guarantees, not one machine's
 behaviour; and on any CPU, whatever its library does with other shapes, every matrix product of

@@ -11,8 +11,8 @@ from petite_llm.bench.moe import (active_weight_bytes, add_moe_arguments, moe_de
 from petite_llm.bench.offline import linear_shapes
 from petite_llm.bench.peers import make_random_checkpoint, shape_config
 from petite_llm.bench.structured import add_structured_arguments, run_structured
-from petite_llm.model.layers.linear import packed_linear_available
 from petite_llm.cli.main import bench_modes
+from petite_llm.model.layers.linear import packed_linear_available
 
 
 def test_tiny_moe_checkpoint_and_the_bytes_one_token_reads(tmp_path):

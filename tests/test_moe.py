@@ -204,7 +204,6 @@ def test_engine_ngram_speculation(checkpoints, case):
     assert _engine_tokens(llm, batch, 10) == [hf_greedy(hf, p, 10) for p in batch]
 
 
-
 @pytest.mark.parametrize('dtype', [torch.float32, torch.bfloat16])
 def test_packed_experts_give_the_reference_sum(dtype):
     "1, 5 and 40 tokens over 16 experts (some without a token): Experts' sum to rounding."
