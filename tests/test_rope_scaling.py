@@ -7,7 +7,8 @@ Random-weight checkpoints with `linear`, `dynamic`, `yarn` and `llama3` scaling 
 - float64 greedy tokens equal to transformers', through the reference path and through the engine
   (torch backend, chunked prefill, and the triton backend in its interpreter on a CPU);
 - `dynamic` is compared with transformers fed one token at a time (chapter 02 explains why: a
-  token's frequencies depend on its position only, never on the rest of its batch);
+  token's frequencies depend on its position only, never on the rest of its batch), within what
+  float32 tables guarantee (FLOAT32_TABLES below);
 - GGUF: a tiny file with llama.cpp's YaRN keys, and one with a `rope_freqs` tensor (Llama 3's
   per-pair divisors), give the model that the equivalent config.json gives;
 - an unknown rope_type is refused by name.
@@ -53,6 +54,13 @@ CASES = {
         rope_type='dynamic', factor=2.0, rope_theta=1e4))),
 }
 LONG = [5, WINDOW - 1, WINDOW + 9, 2 * WINDOW - 8]          # prompts on both sides of the window
+# transformers builds RoPE's frequencies, cos and sin in float32 even for a float64 model. Where
+# both sides build them with the same ops on the same shapes, they agree to the bit on any CPU.
+# Fed one token at a time (dynamic), transformers builds them on other shapes, and a float32 pow
+# or cos may round its last bit differently on another path (a vector's tail, AVX2 against
+# AVX-512, MKL against Sleef): a float32-sized difference in the logits, bounded here with room
+# (seen: 1.4e-7 of the largest logit, on an AVX2 CPU)
+FLOAT32_TABLES = 1e-5
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +74,7 @@ def checkpoints(tmp_path_factory):
 
 
 def hf_one_at_a_time(hf_model, ids, n=0):
-    "transformers fed one token per call (with its cache): logits [len(ids), V], n greedy tokens."
+    "transformers fed one token per call (with its cache): every call's logits, n greedy tokens."
     rows, cache, ids = [], None, list(ids)
     with torch.no_grad():
         for i in range(len(ids) + n - 1):
@@ -75,14 +83,30 @@ def hf_one_at_a_time(hf_model, ids, n=0):
             rows.append(out.logits[0, -1])
             if i >= len(ids) - 1:
                 ids.append(int(rows[-1].argmax()))
-    return torch.stack(rows[:len(ids) - n]), ids[len(ids) - n:]
+    return torch.stack(rows), ids[len(ids) - n:]
 
 
 def hf_reference(name, hf_model, ids, n):
-    "transformers' logits for `ids` and its n greedy tokens: one call, or one token per call."
+    "transformers' logits for `ids`, its n greedy tokens, and the logits each token was drawn from."
     if name == 'llama-dynamic':
-        return hf_one_at_a_time(hf_model, ids, n)
-    return hf_logits(hf_model, ids), hf_greedy(hf_model, ids, n)
+        rows, tokens = hf_one_at_a_time(hf_model, ids, n)
+        return rows[:len(ids)], tokens, rows[len(ids) - 1:]
+    tokens = hf_greedy(hf_model, ids, n)
+    return hf_logits(hf_model, ids), tokens, hf_logits(hf_model, ids + tokens)[len(ids) - 1:-1]
+
+
+def tolerance(name):
+    "How far our float64 logits may be from transformers', relative to the largest."
+    return FLOAT32_TABLES if name == 'llama-dynamic' else 1e-10
+
+
+def assert_greedy_agrees(ours, theirs, theirs_logits, bound):
+    "Greedy tokens equal, up to a step whose top two logits (transformers') are within 2 * bound."
+    for step, (mine, token) in enumerate(zip(ours, theirs, strict=True)):
+        if mine != token:
+            top2 = theirs_logits[step].topk(2).values
+            assert top2[0] - top2[1] <= 2 * bound, f"step {step}: {mine} != {token}"
+            return                                # a near-tie: the two continuations may part
 
 
 def test_config_reads_what_transformers_wrote(checkpoints):
@@ -102,11 +126,12 @@ def test_logits_and_greedy_float64(checkpoints, name):
     ours = load_model(path, dtype=torch.float64)
     generated = []
     for ids in prompts(BASE['vocab_size'], LONG, seed=5):
-        theirs, tokens = hf_reference(name, hf_model, ids, 2 * WINDOW - len(ids))
+        theirs, tokens, drawn_from = hf_reference(name, hf_model, ids, 2 * WINDOW - len(ids))
         mine = ours_logits(ours, ids)
         err, scale = (mine - theirs).abs().max().item(), theirs.abs().max().item()
-        assert err <= 1e-10 * scale, f"{name}, {len(ids)} tokens: max|diff| {err:.3g}"
-        assert ours_greedy(ours, ids, len(tokens)) == tokens, f"{name}, {len(ids)} tokens"
+        assert err <= tolerance(name) * scale, f"{name}, {len(ids)} tokens: max|diff| {err:.3g}"
+        assert_greedy_agrees(ours_greedy(ours, ids, len(tokens)), tokens, drawn_from,
+                             tolerance(name) * scale)
         generated += tokens
     assert len(set(generated)) > 8                     # varied tokens, not one repeated
 
@@ -140,7 +165,9 @@ def test_engine_greedy_equals_transformers(checkpoints, name, options):
     batch = prompts(BASE['vocab_size'], LONG, seed=7)
     # 8 tokens: the longest prompt ends at dynamic's last position (2 * WINDOW)
     ours, _ = _engine_greedy(path, batch, 8, **options)
-    assert ours == [hf_reference(name, hf_model, p, 8)[1] for p in batch]
+    for prompt, mine in zip(batch, ours, strict=True):
+        _, tokens, drawn_from = hf_reference(name, hf_model, prompt, 8)
+        assert_greedy_agrees(mine, tokens, drawn_from, tolerance(name) * drawn_from.abs().max())
 
 
 @pytest.mark.parametrize('name', ['qwen3-yarn', 'llama-dynamic'])
@@ -151,7 +178,9 @@ def test_triton_backend_greedy_equals_transformers(checkpoints, name):
     ours, runner = _engine_greedy(path, batch, 6, attention_backend='triton',
                                   max_num_batched_tokens=16)
     assert isinstance(runner.body, FusedModelBody)           # the cos/sin table is in use
-    assert ours == [hf_reference(name, hf_model, p, 6)[1] for p in batch]
+    for prompt, mine in zip(batch, ours, strict=True):
+        _, tokens, drawn_from = hf_reference(name, hf_model, prompt, 6)
+        assert_greedy_agrees(mine, tokens, drawn_from, tolerance(name) * drawn_from.abs().max())
 
 
 def test_unknown_rope_type_is_refused_by_name(tmp_path):
