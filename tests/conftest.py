@@ -1,4 +1,4 @@
-"""Shared pytest setup: the `slow` and `gpu` markers, Triton's interpreter on a CPU, and the
+"""Shared pytest setup: the `slow`, `gpu` and `cpu_paths` markers, Triton's interpreter on a CPU, and the
 one-thread fixture for modules of tiny models."""
 import contextlib
 import os
@@ -14,6 +14,8 @@ if not torch.cuda.is_available():
 def pytest_configure(config):
     config.addinivalue_line("markers", "slow: long tests, run by `make test-slow`")
     config.addinivalue_line("markers", "gpu: needs a CUDA GPU; skipped without one")
+    config.addinivalue_line("markers", "cpu_paths: takes a CPU-specific path; make test also "
+                                       "runs it on an emulated AVX2 CPU (tools/avx2_stage.py)")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -506,20 +506,6 @@ def test_dtype_names_come_from_the_one_table(f32, f64):
         LLM(path, dtype='int3')
 
 
-@pytest.mark.parametrize("amx,avx512_bf16,vectors,want", [
-    (True, False, 'AVX512', torch.bfloat16), (False, True, 'AVX512', torch.bfloat16),
-    (False, False, 'AVX512', torch.bfloat16), (False, False, 'AVX2', torch.float32),
-    (False, False, 'DEFAULT', torch.float32)])
-def test_default_dtype_follows_the_cpu(monkeypatch, amx, avx512_bf16, vectors, want):
-    "bfloat16 where the CPU computes it natively (AMX, AVX512-BF16) or has AVX512, else float32."
-    from petite_llm.engine.loading import default_dtype, native_bf16
-    monkeypatch.setattr(torch.cpu, '_is_amx_tile_supported', lambda: amx)
-    monkeypatch.setattr(torch.cpu, '_is_avx512_bf16_supported', lambda: avx512_bf16)
-    monkeypatch.setattr(torch.backends.cpu, 'get_cpu_capability', lambda: vectors)
-    assert default_dtype('cpu') == want
-    assert (native_bf16('cpu') is not None) == (amx or avx512_bf16)
-
-
 def test_quantization_int8_through_llm(f32):
     "LLM(quantization='int8'): no float linear is left and it generates; bad values are refused."
     from petite_llm.model.quantization import Int8Linear

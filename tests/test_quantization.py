@@ -53,6 +53,7 @@ def test_quantize_int8_rounds_each_weight_within_half_a_step():
     assert q.abs().amax(1)[[0, 1, 2, 4, 5, 6, 7]].eq(127).all()
 
 
+@pytest.mark.cpu_paths
 @pytest.mark.parametrize('dtype', [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize('rows', [1, 16, 17, 64])
 def test_int8_linear_matches_dequantized_reference(one_thread, monkeypatch, dtype, rows):
@@ -82,6 +83,7 @@ def test_the_int8_kernel_takes_what_it_wins(monkeypatch, native, rows, width, dt
     assert quantization.int8_kernel_takes(torch.empty(rows, width, dtype=dtype)) == kernel
 
 
+@pytest.mark.cpu_paths
 @pytest.mark.parametrize('width', [8, 24, 40, 56])
 def test_int8_linear_of_a_width_the_kernel_cannot_read(width):
     "A bf16 row of a width not in 16s (the kernel would read past it): the dequantized product."
@@ -126,6 +128,7 @@ def test_quantize_model_can_keep_the_head_float():
     assert type(model.lm_head) is nn.Linear
 
 
+@pytest.mark.cpu_paths
 def test_quantize_model_refuses_bad_method_and_packed_models():
     with pytest.raises(ValueError, match="'int8'"):
         quantize_model(tiny_model(), 'int4')
@@ -137,6 +140,7 @@ def test_quantize_model_refuses_bad_method_and_packed_models():
         quantize_model(model)
 
 
+@pytest.mark.cpu_paths
 def test_engine_generates_with_an_int8_model(one_thread):
     model = tiny_model()
     quantize_model(model)

@@ -19,10 +19,11 @@ from pathlib import Path
 
 import torch
 
-from .offline import (_fmt, _free, _timed, cpu_name, linear_bound,
-                                      linear_shapes, memory_read_gb_s, num_threads, weight_bytes)
+from .offline import (_fmt, _free, _timed, linear_bound, linear_shapes,
+                                      memory_read_gb_s, num_threads, weight_bytes)
 from .peers import (PetitePeer, TransformersPeer, as_dtype, dtype_name,
                                     make_random_checkpoint, make_requests, shape_config)
+from ..model.config import cpu_name
 from ..model.layers.linear import packed_linear_available
 from ..model.moe import SparseMoeBlock
 

@@ -14,12 +14,13 @@ from .host import engine_figures, engine_table
 from .invariance import invariance_cost, invariance_table
 from .peers import (SHAPES, PetitePeer, TransformersPeer, as_dtype, dtype_name,
                                     make_random_checkpoint, make_requests)
+from ..model.config import cpu_name
 from ..model.layers.linear import PackedLinear, packed_linear_available
 
 # %% auto #0
-__all__ = ['FULL', 'QUICK', 'PARTS', 'DEFAULT_PARTS', 'linear_shapes', 'weight_bytes', 'cpu_name', 'memory_read_gb_s',
-           'linear_bound', 'measure_prefill_decode', 'measure_offline', 'choose_batch_size', 'num_threads',
-           'run_benchmark', 'ratios', 'plot_results', 'add_arguments', 'run', 'scoreboard']
+__all__ = ['FULL', 'QUICK', 'PARTS', 'DEFAULT_PARTS', 'linear_shapes', 'weight_bytes', 'memory_read_gb_s', 'linear_bound',
+           'measure_prefill_decode', 'measure_offline', 'choose_batch_size', 'num_threads', 'run_benchmark', 'ratios',
+           'plot_results', 'add_arguments', 'run', 'scoreboard']
 
 # %% ../../nbs/18_benchmarks.ipynb #b04d180f
 def _mlp_shapes(cfg: dict, layer: int) -> list[tuple[int, int]]:
@@ -61,14 +62,6 @@ def _timed(fn, device='cpu') -> float:
     fn()
     _sync(device)
     return time.perf_counter() - start
-
-def cpu_name() -> str:
-    "This CPU's model name (lscpu's), else the platform's processor string."
-    with contextlib.suppress(OSError):
-        for line in Path('/proc/cpuinfo').read_text().splitlines():
-            if line.startswith('model name'):
-                return line.split(':', 1)[1].strip()
-    return platform.processor() or platform.machine()
 
 def memory_read_gb_s(nbytes: int = 1 << 29, repeats: int = 5, device='cpu') -> float:
     "A STREAM-like read bandwidth in GB/s: the best time to sum a float32 tensor of nbytes."

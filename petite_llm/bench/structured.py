@@ -18,11 +18,12 @@ from dataclasses import replace
 
 import torch
 
-from .offline import _timed, cpu_name, num_threads
+from .offline import _timed, num_threads
 from .peers import dtype_name
 from .real import real_model
 from ..engine.llm_engine import LLM
 from ..engine.structured import StructuredOutputs
+from ..model.config import cpu_name
 from ..model.sampling import SamplingParams, StructuredOutputsParams
 
 # %% ../../nbs/18_benchmarks.ipynb #42c710bf

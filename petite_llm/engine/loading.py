@@ -101,24 +101,22 @@ def read_generation_config(path) -> dict:
     return json.loads(file.read_text()) if file.is_file() else {}
 
 # %% ../../nbs/15_engine_performance.ipynb #3ca2999d
+from ..model.cpu import cpu_support
+
 def native_bf16(device) -> str | None:
     "What computes bfloat16 natively on `device` (None if nothing): a GPU's, AMX or AVX512-BF16."
     device = torch.device(device)
     if device.type == 'cuda':
-        return 'the GPU' if torch.cuda.is_bf16_supported() else None
-    if device.type == 'cpu' and torch.cpu._is_amx_tile_supported():
-        return 'AMX'
-    if device.type == 'cpu' and torch.cpu._is_avx512_bf16_supported():
-        return 'AVX512-BF16'
-    return None
+        # a T4 (sm_75) "supports" bfloat16 by emulation, slower than float16: ask for hardware
+        return 'the GPU' if torch.cuda.is_bf16_supported(including_emulation=False) else None
+    return cpu_support().native_bf16 if device.type == 'cpu' else None
 
 def default_dtype(device) -> torch.dtype:
-    "The dtype when none is asked for: bf16 where native or AVX512, else fp16 (GPU) or fp32 (CPU)."
+    "The dtype when none is asked for: bf16 where native or oneDNN computes it, else fp16 or fp32."
     device = torch.device(device)
     if native_bf16(device):
         return torch.bfloat16
     if device.type == 'cuda':
         return torch.float16
-    # AVX512 widens bfloat16 cheaply enough to keep its halved bytes worth it (measured below)
-    avx512 = torch.backends.cpu.get_cpu_capability() == 'AVX512'
-    return torch.bfloat16 if avx512 else torch.float32
+    # oneDNN widens bfloat16 cheaply enough to keep its halved bytes worth it (measured below)
+    return torch.bfloat16 if cpu_support().onednn_bf16 else torch.float32

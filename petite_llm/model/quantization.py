@@ -12,14 +12,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import ModelConfig, _gguf_fields, _open_gguf
+from .cpu import cpu_support
 from .layers.linear import PackedLinear
 from .moe import Experts, SparseMoeBlock, by_expert
 from .weights import map_gguf_name, map_hf_name, per_expert, unpermute_qk
 
 # %% auto #0
-__all__ = ['NATIVE_BF16', 'INT8_MM_MAX_ROWS', 'QUANTIZATION_METHODS', 'Q8_0_BLOCK', 'quantize_int8', 'int8_kernel_takes',
-           'int8_linear', 'Int8Linear', 'Int8Experts', 'quantize_model', 'perplexity', 'q8_0_to_int8',
-           'gguf_q8_0_tensors', 'load_q8_0']
+__all__ = ['INT8_MM_MAX_ROWS', 'QUANTIZATION_METHODS', 'Q8_0_BLOCK', 'quantize_int8', 'int8_kernel_takes', 'int8_linear',
+           'Int8Linear', 'Int8Experts', 'quantize_model', 'perplexity', 'q8_0_to_int8', 'gguf_q8_0_tensors',
+           'load_q8_0']
 
 # %% ../../nbs/19_quantization.ipynb #3d1a4170
 def quantize_int8(weight: torch.Tensor, dtype: torch.dtype | None = None):
@@ -33,8 +34,7 @@ def quantize_int8(weight: torch.Tensor, dtype: torch.dtype | None = None):
 # %% ../../nbs/19_quantization.ipynb #3e3421dd
 # the int8 kernel's range, measured below: up to 16 rows (tokens) where the CPU multiplies
 # bfloat16 natively, every row where it emulates bfloat16 (the converted matmul is slow there)
-NATIVE_BF16 = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
-INT8_MM_MAX_ROWS = 16 if NATIVE_BF16 else math.inf
+INT8_MM_MAX_ROWS = 16 if cpu_support().native_bf16 else math.inf
 
 def int8_kernel_takes(x: torch.Tensor) -> bool:
     "Whether the int8 kernel computes x [T, in]: bf16 on a CPU, at most INT8_MM_MAX_ROWS rows."

@@ -33,15 +33,14 @@ class MergedLinear(nn.Linear):
             param[start:start + size].copy_(loaded)
 
 # %% ../../../nbs/15_engine_performance.ipynb #3432c018
+from ..cpu import cpu_support
+
 def packed_linear_available(dtype: torch.dtype, device='cpu') -> bool:
     "Whether oneDNN's prepacked linear runs here for dtype (CPU only; bf16 needs oneDNN's bf16)."
-    if torch.device(device).type != 'cpu' or not torch.backends.mkldnn.is_available():
+    support = cpu_support()
+    if torch.device(device).type != 'cpu' or not support.onednn:
         return False
-    if not hasattr(torch.ops.mkldnn, '_reorder_linear_weight'):
-        return False
-    if dtype == torch.bfloat16:
-        return torch.ops.mkldnn._is_mkldnn_bf16_supported()
-    return dtype == torch.float32
+    return dtype == torch.float32 or dtype == torch.bfloat16 and support.onednn_bf16
 
 @torch.library.custom_op('petite_llm::packed_linear', mutates_args=())
 def packed_linear(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None,
@@ -57,6 +56,10 @@ class PackedLinear(nn.Module):
     "x @ weight.T + bias with the weight reordered once into oneDNN's blocked layout (CPU)."
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
         super().__init__()
+        if not packed_linear_available(weight.dtype, weight.device):
+            raise ValueError(f"oneDNN packs no {weight.dtype} weight on {weight.device} here "
+                             f"({cpu_support()}): keep the nn.Linear, or ask "
+                             "packed_linear_available(dtype, device) first")
         self.out_features, self.in_features = weight.shape
         # opaque; laid out for 1-row inputs (decode)
         self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1)
