@@ -63,7 +63,8 @@ def run_one(path: Path, run_flags: set[str], only_flagged: bool = False) -> int:
         # the reader's view: no log lines or progress bars (a test or a terminal shows those)
         cell['outputs'] = without_stderr([dict(o) for o in outs])
         cell['execution_count'] = None
-        cell.setdefault('metadata', {})[HASH_KEY] = {'source_hash': source_hash(cell)}
+        # the hash beside what else the cell's metadata says (tools/avx2_stage.py's cpu_paths)
+        cell.setdefault('metadata', {}).setdefault(HASH_KEY, {})['source_hash'] = source_hash(cell)
         if time.time() - t0 > 30 and not skipped_by(cell):
             print(f'  {path.name}: cell {cell.idx_} took {time.time() - t0:.0f}s '
                   '(unflagged cells should take seconds; flag long ones `#| slow`)', flush=True)
