@@ -1,5 +1,5 @@
-"""Shared pytest setup: the `slow`, `gpu` and `cpu_paths` markers, Triton's interpreter on a CPU, and the
-one-thread fixture for modules of tiny models."""
+"""Shared pytest setup: the `slow`, `gpu` and `cpu_paths` markers, Triton's interpreter on a
+CPU, and the one-thread fixture for modules of tiny models."""
 import contextlib
 import os
 
