@@ -29,7 +29,8 @@ MODULE_DOC = re.compile(r'^# petite_llm\.([\w.]+): (.+)$', re.M)
 # cli -> bench -> serve -> engine and parallel -> model; tools/import_graph.py checks it)
 PACKAGES = {
     'model': "The model (chapters 00-09 and 19): config, layers, Qwen3, weights, quantization, "
-             "tokenizer, sampling and the no-cache generate loop. Imports no other part.",
+             "tokenizer, sampling, the no-cache generate loop, and what this CPU computes "
+             "(cpu, chapter 15). Imports no other part.",
     'model.layers': "The decoder's layers (chapters 01-04): RMSNorm, RoPE, attention, the MLP "
                     "and the linear layers they share.",
     'engine': "The engine (chapters 10-16 and 21): KV cache, paging, scheduler, attention backends "
