@@ -46,8 +46,10 @@ def get_attention_backend(name: str = 'auto', device='cpu',
     if name == 'torch':
         return TorchAttentionBackend()
     if not has_triton:
-        raise ValueError("attention_backend='triton' needs the triton package: "
-                         "pip install triton, or use attention_backend='torch'")
+        raise ValueError("attention_backend='triton' needs Triton, which is not installed here "
+                         "(it has no wheels for macOS or Windows): use attention_backend='torch' "
+                         "(--attention-backend torch on the command line), "
+                         "or on Linux pip install triton")
     if not on_cuda and os.environ.get('TRITON_INTERPRET') != '1':
         raise ValueError("attention_backend='triton' runs on a CUDA GPU; on a CPU use 'torch' "
                          "(or set TRITON_INTERPRET=1 before triton is first imported, "
