@@ -107,10 +107,16 @@ test: setup debian-packages
 	  git status --porcelain petite_llm; \
 	  echo "Run make export and commit petite_llm/ with the notebooks; never edit petite_llm/ by hand."; \
 	  exit 1; fi
-	@echo "== $$(date -u +%T) nbdev_test: every notebook, cells flagged slow/gpu skipped"
-	$(KEEP_IMAGES) && { $(INTERPRET_TRITON) $(BIN)/nbdev_test; rc=$$?; $(PUT_BACK_IMAGES); exit $$rc; }
 	@echo "== $$(date -u +%T) the package's shape: parts, arrows, circles, docstrings, lengths"
 	$(PY) tools/import_graph.py | grep -v '^[a-z_.]* *->'
+	@echo "== $$(date -u +%T) README.md in sync with nbs/index.ipynb"
+	$(PY) tools/make_readme.py --check
+	@echo "== $$(date -u +%T) saved outputs fresh (make book)"
+	$(PY) tools/check_outputs.py
+	@echo "== $$(date -u +%T) devices: chapters that reach Triton choose their device once"
+	$(PY) tools/check_devices.py
+	@echo "== $$(date -u +%T) nbdev_test: every notebook, cells flagged slow/gpu skipped"
+	$(KEEP_IMAGES) && { $(INTERPRET_TRITON) $(BIN)/nbdev_test; rc=$$?; $(PUT_BACK_IMAGES); exit $$rc; }
 	@echo "== $$(date -u +%T) pytest (not slow; both cores; the kernel compile check is the next stage)"
 	$(PY) -m pytest -rs -m "not slow" -n 2 --dist loadfile --durations=15 \
 	  --ignore=tests/test_kernel_compile.py tests || { rc=$$?; \
@@ -121,12 +127,6 @@ test: setup debian-packages
 	$(PY) tools/avx2_stage.py
 	@echo "== $$(date -u +%T) tools/gpu_check.sh --dry (the GPU check's Python, on the CPU)"
 	PYTHON=$(PY) OUT=_build/gpu_check_dry tools/gpu_check.sh --dry
-	@echo "== $$(date -u +%T) README.md in sync with nbs/index.ipynb"
-	$(PY) tools/make_readme.py --check
-	@echo "== $$(date -u +%T) saved outputs fresh (make book)"
-	$(PY) tools/check_outputs.py
-	@echo "== $$(date -u +%T) devices: chapters that reach Triton choose their device once"
-	$(PY) tools/check_devices.py
 	@echo "== $$(date -u +%T) site build (jupyter-book, offline)"
 	$(PY) tools/build_site.py
 	@echo "== $$(date -u +%T) browser check (headless chromium)"
