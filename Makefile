@@ -121,7 +121,7 @@ test: setup debian-packages
 	$(PY) -m pytest -rs -m "not slow" -n 2 --dist loadfile --durations=15 \
 	  --ignore=tests/test_kernel_compile.py tests || { rc=$$?; \
 	  if [ $$rc = 5 ]; then echo "pytest collected no test: that is a failure"; fi; exit $$rc; }
-	@echo "== $$(date -u +%T) kernels compile for sm_80 and sm_90 (every variant the engine launches)"
+	@echo "== $$(date -u +%T) kernels compile for NVIDIA sm_75 to sm_120 and AMD gfx90a, gfx942, gfx1100"
 	$(PY) -m pytest -q -rP tests/test_kernel_compile.py
 	@echo "== $$(date -u +%T) AVX2: the CPU-specific paths on an emulated AVX2 CPU (where this has AVX-512)"
 	$(PY) tools/avx2_stage.py
