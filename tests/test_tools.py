@@ -151,6 +151,21 @@ def test_run_notebooks_only_flagged_keeps_the_other_outputs(tmp_path):
     assert r.returncode == 2 and 'give --flags too' in r.stderr
 
 
+def test_run_notebooks_plan_counts_the_cells_and_runs_none(tmp_path):
+    "--plan: what a run with these flags would run and save; the notebook is left as it was."
+    nb = write_nb(tmp_path / '09_plan.ipynb', [
+        md('# t'), code('1/0'), code('#| gpu\n1/0'), code('#| slow\n1/0'),
+        code('#| eval: false\n1/0')])
+    before = nb.read_text()
+    for args, line in [([], 'would run 1 cells and save 1, skip 3'),
+                       (['--flags', 'gpu', '--only-flagged'], 'would run 2 cells and save 1, skip 2'),
+                       (['--flags', 'slow gpu'], 'would run 3 cells and save 3, skip 1')]:
+        r = subprocess.run(RUN_NOTEBOOKS + ['--plan', *args, str(nb)], cwd=ROOT,
+                           capture_output=True, text=True)
+        assert r.returncode == 0 and r.stdout == f'09_plan.ipynb: {line}\n', (args, r)
+    assert nb.read_text() == before
+
+
 def test_run_notebooks_does_not_save_a_failing_notebook(tmp_path):
     nb = write_nb(tmp_path / '07_fail.ipynb', [code('print("ok")'), code('1/0')])
     before = nb.read_text()
