@@ -140,9 +140,10 @@ def test_speculative_flag_keeps_greedy_text():
     code, spec, err = run(prompt[:1] + ['--speculative', 'ngram'] + prompt[1:])
     assert code == 0, err
     assert spec == plain
-    code, _, err = run(prompt[:1] + ['--speculative', 'ngram', '--num-speculative-tokens', '0']
-                       + prompt[1:])
-    assert code != 0 and 'num_speculative_tokens must be an int >= 1' in err
+    # refused before any model loads: a model that does not exist is not even looked for
+    code, _, err = run(prompt[:1] + ['--speculative', 'ngram', '--num-speculative-tokens', '0',
+                                     '--model', 'no/such-model'] + prompt[1:])
+    assert code == 1 and 'num_speculative_tokens must be an int >= 1' in err, err
 
 
 def test_missing_model_is_a_clear_error(tmp_path):

@@ -72,9 +72,11 @@ def add_model_args(p: argparse.ArgumentParser):
 def engine_config(args, **options) -> EngineConfig:
     "The EngineConfig of a command's model options (--dtype, --device, the engine group)."
     from petite_llm.engine.config import EngineConfig
-    from petite_llm.engine.speculative import speculative_config
+    from petite_llm.engine.speculative import SpeculativeConfig, speculative_config
     device, dtype = resolve_device_dtype(args.device, args.dtype)
-    spec = (speculative_config(args.speculative, args.num_speculative_tokens)
+    # checked here: a bad --num-speculative-tokens is an error before the model loads
+    spec = (SpeculativeConfig.from_dict(speculative_config(args.speculative,
+                                                           args.num_speculative_tokens))
             if args.speculative else None)
     return EngineConfig(dtype=dtype, device=str(device), quantization=args.quantization,
                         attention_backend=args.attention_backend,
