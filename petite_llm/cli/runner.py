@@ -74,10 +74,10 @@ def engine_config(args, **options) -> EngineConfig:
     from petite_llm.engine.config import EngineConfig
     from petite_llm.engine.speculative import SpeculativeConfig, speculative_config
     device, dtype = resolve_device_dtype(args.device, args.dtype)
-    # checked here: a bad --num-speculative-tokens is an error before the model loads
-    spec = (SpeculativeConfig.from_dict(speculative_config(args.speculative,
-                                                           args.num_speculative_tokens))
+    spec = (speculative_config(args.speculative, args.num_speculative_tokens)
             if args.speculative else None)
+    if spec is not None:     # checked now: a bad --num-speculative-tokens fails before loading
+        SpeculativeConfig.from_dict(spec)
     return EngineConfig(dtype=dtype, device=str(device), quantization=args.quantization,
                         attention_backend=args.attention_backend,
                         enforce_eager=args.enforce_eager,
