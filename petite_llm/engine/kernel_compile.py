@@ -168,9 +168,13 @@ def _run_workers(jobs: list, processes: int) -> list:
     results = [list(map(json.loads, out.splitlines())) for out, _ in outputs]
     return [results[i % processes][i // processes] for i in range(len(jobs))]
 
+def _pointer_types(variant: dict) -> list[str]:
+    "The element types of a variant's pointers, each once, in the order of its parameters."
+    return list(dict.fromkeys(t for t in variant['signature'].values() if t[0] == '*'))
+
 def variant_name(variant: dict) -> str:
     "A variant in one line: kernel, pointer types, constexprs, launch options, ints ÷ 16."
-    types = '/'.join(dict.fromkeys(t for t in variant['signature'].values() if t[0] == '*'))
+    types = '/'.join(_pointer_types(variant))
     values = {**{n: _decode(v) for n, v in variant['constexprs'].items()}, **variant['options']}
     aligned = sum(variant['signature'][n][0] != '*' for n in variant['attrs']['cuda'])
     return (f"{variant['kernel'].split(':')[1]}({types}; "
@@ -199,8 +203,8 @@ def _representatives(variants: list, shared: list) -> list:
     "One variant per kernel, pointer types and launch options: of each, the one using most shared."
     groups = {}
     for variant, used in zip(variants, shared):
-        pointers = sorted({t for t in variant['signature'].values() if t[0] == '*'})
-        key = json.dumps([variant['kernel'], pointers, variant['options']], sort_keys=True)
+        key = json.dumps([variant['kernel'], _pointer_types(variant), variant['options']],
+                         sort_keys=True)
         groups.setdefault(key, []).append((used, variant))
     # the first of equals: the order of the launches decides, not the variants' contents
     return [max(group, key=lambda pair: pair[0])[1] for group in groups.values()]
