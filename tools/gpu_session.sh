@@ -80,7 +80,7 @@ gpu_tests() {  # the tests flagged gpu (when dry, only the command: make test co
   if [ "$DRY" = 1 ]; then
     echo "would run: $PY -m pytest -m gpu tests -q"; status=0
   else
-    $PY -m pytest -m gpu tests -q 2>&1 | tee "$OUT/pytest_gpu.log" | tail -3
+    $PY -m pytest -m gpu tests -q 2>&1 | tee "$OUT/pytest_gpu.log"
     status=${PIPESTATUS[0]}
   fi
   note "pytest -m gpu tests" "$status"
