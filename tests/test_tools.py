@@ -246,10 +246,21 @@ def test_export_resets_modules_that_no_notebook_creates():
 
 
 def test_every_subpackage_says_what_it_holds():
-    "Each part's __init__.py is its docstring from tools/export.py's PACKAGES, nothing else."
-    for name, doc in export.PACKAGES.items():
+    "Each part's __init__.py is its docstring, its chapters read from the notebooks; no import."
+    chapters = export.package_chapters()
+    assert 19 in chapters['model'] and 20 not in chapters['engine'] and chapters['cli'] == [90]
+    for name in export.PACKAGES:
         text = (ROOT / 'petite_llm' / name.replace('.', '/') / '__init__.py').read_text()
-        assert text.startswith(f'"""{doc}"""') and 'import' not in text
+        assert text.startswith(f'"""{export.package_doc(name, chapters[name])}"""')
+        assert 'import' not in text.split('"""')[2]
+
+
+@pytest.mark.parametrize('numbers,words', [
+    ([17], 'chapter 17'), ([18, 17], 'chapters 17 and 18'), ([20, 21, 22], 'chapters 20-22'),
+    ([0, 1, 2, 3, 15, 19, 23], 'chapters 00-03, 15, 19 and 23'),
+    ([1, 2, 5, 7, 8, 9], 'chapters 01, 02, 05 and 07-09')])
+def test_chapter_lists_read_as_prose(numbers, words):
+    assert export.chapters(numbers) == words
 
 
 # --- tools/check_devices.py: chapters that reach Triton choose their device once -----------------

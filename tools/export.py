@@ -25,24 +25,27 @@ LIB = ROOT / 'petite_llm'
 EXPORT_TO = re.compile(r'^#\|\s*export\s+([\w.]+)\s*$', re.M)
 DEFAULT_EXP = re.compile(r'^#\|\s*default_exp\s+([\w.]+)\s*$', re.M)
 MODULE_DOC = re.compile(r'^# petite_llm\.([\w.]+): (.+)$', re.M)
-# each subpackage's docstring: what lives there, and which parts it may import (one way:
-# cli -> bench -> serve -> engine and parallel -> model; tools/import_graph.py checks it)
+# each subpackage's docstring after "The model (chapters ...): ", the chapters read from the notebooks
+# that export into it: what lives there, and which parts it may import (one way: cli -> bench ->
+# serve -> engine and parallel -> model; tools/import_graph.py checks it)
 PACKAGES = {
-    'model': "The model (chapters 00-09 and 19): config, layers, Qwen3, weights, quantization, "
-             "tokenizer, sampling, the no-cache generate loop, and what this CPU computes "
-             "(cpu, chapter 15). Imports no other part.",
-    'model.layers': "The decoder's layers (chapters 01-04): RMSNorm, RoPE, attention, the MLP "
-                    "and the linear layers they share.",
-    'engine': "The engine (chapters 10-16 and 21): KV cache, paging, scheduler, attention backends "
-              "and Triton kernels, the model runner, LLMEngine and LLM. Imports model, and "
-              "parallel for tensor-parallel workers.",
-    'parallel': "Tensor parallelism (chapter 20): sharding, row-parallel layers, collectives and "
-                "worker processes. Imports model and engine.",
-    'serve': "The OpenAI-compatible server (chapter 17): AsyncLLMEngine, the protocol, the HTTP "
-             "server, its limits and metrics. Imports engine, parallel and model.",
-    'bench': "Benchmarks (chapters 17 and 18): offline against transformers, host work, profiles, "
-             "real models, load and soak tests of the server. Imports serve and below.",
-    'cli': "The petite-llm command (chapter 90). Imports every other part.",
+    'model': ("The model", "config, layers, Qwen3 and its mixture of experts, weights, "
+              "quantization, tokenizer, sampling, the no-cache generate loop, and what this CPU "
+              "computes. Imports no other part."),
+    'model.layers': ("The decoder's layers", "RMSNorm, RoPE, attention, the MLP and the linear "
+                     "layers they share."),
+    'engine': ("The engine", "KV cache, paging, scheduler, attention backends and Triton kernels, "
+               "the model runner, LLMEngine and LLM, speculative decoding, batch invariance, "
+               "structured outputs and the fused experts. Imports model, and parallel for "
+               "tensor-parallel workers."),
+    'parallel': ("Tensor parallelism", "sharding, row-parallel layers, collectives and worker "
+                 "processes. Imports model and engine."),
+    'serve': ("The OpenAI-compatible server", "AsyncLLMEngine, the protocol, the HTTP server, its "
+              "limits and metrics. Imports engine, parallel and model."),
+    'bench': ("Benchmarks", "offline against transformers, host work, profiles, real models, load "
+              "and soak tests of the server. Imports serve and below."),
+    'cli': ("The petite-llm command", "its subcommands and their options. Imports every other "
+                                    "part."),
 }
 
 
@@ -94,13 +97,49 @@ def redoc_defaults(defaults: set[str], docs: dict[str, str]):
         path.write_text(docstring(docs[name]).rstrip('\n') + text[end:], encoding='utf-8')
 
 
+def chapters(numbers: list[int]) -> str:
+    """[0, 1, 2, 3, 17, 18] -> 'chapters 00-03, 17 and 18': three or more in a row as a range."""
+    runs = []
+    for n in sorted(set(numbers)):
+        if runs and n == runs[-1][1] + 1:
+            runs[-1][1] = n
+        else:
+            runs.append([n, n])
+    parts = [part for a, b in runs                 # two in a row are two, three or more a range
+             for part in ([f'{a:02d}'] if a == b else [f'{a:02d}', f'{b:02d}'] if b == a + 1
+                          else [f'{a:02d}-{b:02d}'])]
+    word = 'chapter' if len(parts) == 1 and '-' not in parts[0] else 'chapters'
+    return f"{word} {', '.join(parts[:-1]) + ' and ' if len(parts) > 1 else ''}{parts[-1]}"
+
+
+def package_chapters() -> dict[str, list[int]]:
+    """Each subpackage of PACKAGES -> the numbered chapters whose cells export into it."""
+    found = {name: [] for name in PACKAGES}
+    for path in sorted(NBS.glob('[0-9]*.ipynb')):
+        number = int(path.name.split('_')[0])
+        for cell in read_nb(path)['cells']:
+            if cell['cell_type'] != 'code':
+                continue
+            for module in DEFAULT_EXP.findall(source(cell)) + EXPORT_TO.findall(source(cell)):
+                for name in found:
+                    if module.startswith(name + '.') and number not in found[name]:
+                        found[name].append(number)
+    return found
+
+
+def package_doc(name: str, numbers: list[int]) -> str:
+    """'The model (chapters 00-09, 15 and 19): what lives there.'"""
+    title, holds = PACKAGES[name]
+    return f"{title} ({chapters(numbers)}): {holds}"
+
+
 def write_packages():
     """Each subpackage's __init__.py: its docstring, nothing else (no import at package level)."""
-    for name, doc in PACKAGES.items():
+    for name, numbers in package_chapters().items():
         path = LIB / name.replace('.', '/') / '__init__.py'
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(f'"""{doc}"""\n# AUTOGENERATED by tools/export.py (PACKAGES): do not '
-                        'edit.\n', encoding='utf-8')
+        path.write_text(f'"""{package_doc(name, numbers)}"""\n# AUTOGENERATED by tools/export.py '
+                        '(PACKAGES): do not edit.\n', encoding='utf-8')
 
 
 def main() -> int:
