@@ -59,7 +59,7 @@ from .fused_moe import fused_experts
 from ..model.moe import Experts, SparseMoeBlock
 
 class FusedModelBody(nn.Module):
-    "model.model with fused kernels on the paged path: 9 launches per decoder layer, same weights."
+    "model.model on fused kernels on the paged path, same weights (launches_per_layer counts)."
     def __init__(self, model: nn.Module, backend: TritonAttentionBackend):
         super().__init__()
         self.model, self.backend = model.model, backend   # shared: nothing is copied
