@@ -10,7 +10,7 @@ from petite_llm.model.weights import load_model, qwen25_coder_gguf_path, smollm2
 
 PROMPTS = ['The capital of France is', 'def fibonacci(n):',
            '<|im_start|>user\nWhat is 12 times 7?<|im_end|>\n<|im_start|>assistant\n']
-N_NEW = 32
+N_NEW = 16          # greedy tokens per prompt; each row of the 16 is compared
 
 
 def reference(path, dtype):
