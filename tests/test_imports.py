@@ -1,6 +1,6 @@
 """The package's shape (tools/import_graph.py): the parts import one way (model, then engine and
-parallel, serve, bench, cli), imports never go in a circle, every module says what it holds, and
-no module or function is longer than a reader can hold at once."""
+parallel, serve, bench, cli), imports never go in a circle, every module says what it holds, no
+module or function is longer than a reader can hold at once, and no class is redefined."""
 import sys
 from pathlib import Path
 
@@ -64,3 +64,71 @@ def test_an_arrow_up_the_levels_and_a_missing_docstring_are_found(tmp_path, monk
 def test_modules_and_functions_stay_readable():
     assert import_graph.long_modules() == {}
     assert import_graph.long_functions() == {}
+
+
+def test_no_class_is_redefined():
+    "Each class is complete where it is defined: no @patch or assignment over what it has."
+    assert import_graph.redefinitions() == []
+
+
+def test_redefinitions_are_found(tmp_path, monkeypatch):
+    "A @patch, an assignment or a second def over what a class has; additions and swaps are not."
+    monkeypatch.setattr(import_graph, 'PKG', _package(tmp_path, {
+        'engine/scheduler.py': '''"""The scheduler."""
+from fastcore.basics import patch
+
+class Sequence:
+    def __init__(self):
+        self.num_computed_tokens = 0
+
+    @property
+    def num_tokens(self):
+        return 1
+
+    @num_tokens.setter
+    def num_tokens(self, value):
+        pass
+
+class Scheduler:
+    def update(self):
+        return 1
+
+    def update(self):
+        return 2
+
+@patch
+def update(self: Scheduler):
+    return 3
+
+@patch
+def abort(self: Scheduler):
+    return 4
+
+Sequence.num_pending = 0
+Sequence.num_computed_tokens = 0
+''',
+        'engine/llm_engine.py': '''"""The engine."""
+import fastcore.basics as fc
+from .scheduler import Scheduler, Sequence as Seq
+
+@fc.patch(as_prop=True)
+def num_tokens(self: Seq):
+    return 2
+
+@fc.patch(cls_method=True)
+def abort(cls: 'Scheduler'):
+    return 5
+
+Seq.num_pending = 1
+
+def swap(seq):
+    seq.__class__ = Scheduler
+'''}))
+    assert import_graph.redefinitions() == [
+        ('engine.llm_engine', 6, 'Sequence', 'num_tokens', '@patch over engine.scheduler:9'),
+        ('engine.llm_engine', 10, 'Scheduler', 'abort', '@patch over engine.scheduler:28'),
+        ('engine.llm_engine', 13, 'Sequence', 'num_pending', 'assignment over engine.scheduler:31'),
+        ('engine.scheduler', 20, 'Scheduler', 'update', 'second def over engine.scheduler:17'),
+        ('engine.scheduler', 24, 'Scheduler', 'update', '@patch over engine.scheduler:17'),
+        ('engine.scheduler', 32, 'Sequence', 'num_computed_tokens',
+         'assignment over engine.scheduler:6')]

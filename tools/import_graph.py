@@ -1,16 +1,19 @@
 """The package's shape: its parts and the arrows between them, which modules import which (at the
-top or inside a function), any circle, any module without a docstring, and the modules and
-functions longer than a reader can hold at once.
+top or inside a function), any circle, any module without a docstring, the modules and
+functions longer than a reader can hold at once, and any attribute of a class defined twice (a
+class is written once: no @patch or `Class.attr = ...` over what it has, no method defined twice
+in its body; a @patch that adds a new attribute is fine).
 
 The parts import one way, lowest first (LEVELS): model, then engine and parallel (which may import
 each other), serve, bench, cli; the package's own __init__ may import any of them.
 `python tools/import_graph.py [PACKAGE_DIR]` prints all of it and exits 1 on an arrow against the
-direction, a circle, a module without a docstring or one that is too long; tests/test_imports.py
-asserts the same.
+direction, a circle, a module without a docstring, one that is too long or a redefinition;
+tests/test_imports.py asserts the same.
 """
 from __future__ import annotations
 
 import ast
+import re
 import sys
 from pathlib import Path
 
@@ -33,20 +36,24 @@ def modules() -> dict[str, Path]:
     return {name: p for name, p in found.items() if name not in GENERATED}
 
 
+def import_from(node: ast.ImportFrom, here: str) -> str:
+    """The absolute module a `from ... import` names, in the module called here."""
+    if not node.level:
+        return node.module or ''
+    # `from .x import y` in petite_llm/a/b.py names petite_llm.a.x
+    parts = here.split('.')
+    base = parts[:len(parts) - node.level] + ([node.module] if node.module else [])
+    return '.'.join(['petite_llm'] + base)
+
+
 def imported(path: Path, known: set[str]) -> set[str]:
     """The package's modules that the module at path imports, anywhere in it."""
-    here = module_name(path).split('.')
     names = set()
     for node in ast.walk(ast.parse(path.read_text(encoding='utf-8'))):
         if isinstance(node, ast.Import):
             names.update(a.name for a in node.names)
         elif isinstance(node, ast.ImportFrom):
-            # `from .x import y` in petite_llm/a/b.py names petite_llm.a.x
-            if node.level:
-                base = here[:len(here) - node.level] + ([node.module] if node.module else [])
-                stem = '.'.join(['petite_llm'] + base)
-            else:
-                stem = node.module or ''
+            stem = import_from(node, module_name(path))
             names.add(stem)
             names.update(f'{stem}.{a.name}' for a in node.names)
     found = {n.removeprefix('petite_llm.') for n in names if n.startswith('petite_llm.')}
@@ -136,6 +143,173 @@ def long_functions() -> dict[str, int]:
     return long
 
 
+# A class is written once: what redefines an attribute a class already has
+PATCH = re.compile(r'fastcore(\.\w+)*\.patch')    # fastcore's @patch, wherever it is imported from
+ACCESSORS = ('setter', 'getter', 'deleter')      # @x.setter def x: one property, not two
+
+
+def dotted(node: ast.expr) -> str | None:
+    """'a.b.C' for the expression a.b.C or the string annotation 'a.b.C'; None for any other."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return node.value
+    if isinstance(node, ast.Name):
+        return node.id
+    if isinstance(node, ast.Attribute):
+        head = dotted(node.value)
+        return head and f'{head}.{node.attr}'
+    return None
+
+
+def absolute(module: str) -> str:
+    """The importable name of a module: 'petite_llm.engine.scheduler', 'petite_llm' for TOP."""
+    return 'petite_llm' if module == TOP else f'petite_llm.{module}'
+
+
+def bindings(tree: ast.Module, module: str) -> dict[str, str]:
+    """Names a module imports (anywhere in it) or defines as classes -> their absolute names."""
+    names = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            stem = import_from(node, module)
+            names.update({a.asname or a.name: f'{stem}.{a.name}' for a in node.names
+                          if a.name != '*'})
+        elif isinstance(node, ast.Import):
+            # `import a.b` binds a; `import a.b as c` binds c to a.b
+            names.update({a.asname: a.name for a in node.names if a.asname})
+            names.update({a.name.split('.')[0]: a.name.split('.')[0] for a in node.names
+                          if not a.asname})
+    names.update({node.name: f'{absolute(module)}.{node.name}' for node in tree.body
+                  if isinstance(node, ast.ClassDef)})
+    return names
+
+
+def expand(text: str | None, names: dict[str, str]) -> str | None:
+    """A dotted name written in a module, as the absolute name its first part is bound to."""
+    head, _, rest = (text or '').partition('.')
+    if head not in names:
+        return None
+    return f'{names[head]}.{rest}' if rest else names[head]
+
+
+def class_at(name: str | None, trees: dict[str, ast.Module],
+             names: dict[str, dict[str, str]]) -> tuple[str, str] | None:
+    """The package's class (module, class name) an absolute name means, through re-exports."""
+    seen = set()
+    while name and name not in seen:
+        seen.add(name)
+        stem, _, attr = name.rpartition('.')
+        module = TOP if stem == 'petite_llm' else stem.removeprefix('petite_llm.')
+        if module not in trees:
+            return None
+        if any(isinstance(node, ast.ClassDef) and node.name == attr for node in trees[module].body):
+            return module, attr
+        name = names[module].get(attr)       # imported there: follow it
+    return None
+
+
+def body_attributes(node: ast.ClassDef) -> tuple[dict[str, int], list[tuple[str, int, int]]]:
+    """What a class body defines (methods, class attributes, fields, nested classes, what its
+    methods assign to their first parameter) -> line, and each method defined twice in it as
+    (name, line, line of the first)."""
+    defined, twice = {}, []
+    for stmt in node.body:
+        if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            decorators = [dotted(d.func if isinstance(d, ast.Call) else d) or ''
+                          for d in stmt.decorator_list]
+            accessor = any(d == f'{stmt.name}.{kind}' for d in decorators for kind in ACCESSORS)
+            if stmt.name in defined and not isinstance(stmt, ast.ClassDef) and not accessor:
+                twice.append((stmt.name, stmt.lineno, defined[stmt.name]))
+            # an @overload stub is not the definition: the def after it is
+            if not any(d.split('.')[-1] == 'overload' for d in decorators):
+                defined.setdefault(stmt.name, stmt.lineno)
+        targets = stmt.targets if isinstance(stmt, ast.Assign) else (
+            [stmt.target] if isinstance(stmt, ast.AnnAssign) else [])
+        for target in targets:
+            for name in ast.walk(target):
+                if isinstance(name, ast.Name):
+                    defined.setdefault(name.id, stmt.lineno)
+    for method in node.body:
+        if isinstance(method, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            params = method.args.posonlyargs + method.args.args
+            owner = params[0].arg if params else None
+            for sub in ast.walk(method):
+                if (isinstance(sub, ast.Attribute) and isinstance(sub.ctx, ast.Store)
+                        and isinstance(sub.value, ast.Name) and sub.value.id == owner):
+                    defined.setdefault(sub.attr, sub.lineno)
+    return defined, twice
+
+
+def annotated_classes(annotation: ast.expr | None) -> list[ast.expr]:
+    """The classes an annotation names: C, (C, D) or C | D (fastcore patches each)."""
+    if isinstance(annotation, ast.Tuple):
+        return annotation.elts
+    if isinstance(annotation, ast.BinOp) and isinstance(annotation.op, ast.BitOr):
+        return annotated_classes(annotation.left) + annotated_classes(annotation.right)
+    return [] if annotation is None else [annotation]
+
+
+def additions(tree: ast.Module, names: dict[str, str]) -> list[tuple[int, str, ast.expr, str]]:
+    """What a module adds to classes outside their bodies, in source order: (line, attribute,
+    the class expression, how) for each @patch and each `Class.attr = ...`."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            decorators = [d.func if isinstance(d, ast.Call) else d for d in node.decorator_list]
+            params = node.args.posonlyargs + node.args.args
+            if params and any(PATCH.fullmatch(expand(dotted(d), names) or '') for d in decorators):
+                found += [(node.lineno, node.name, cls, '@patch')
+                          for cls in annotated_classes(params[0].annotation)]
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            found += [(node.lineno, target.attr, target.value, 'assignment')
+                      for each in targets for target in ast.walk(each)
+                      if isinstance(target, ast.Attribute) and isinstance(target.ctx, ast.Store)]
+    return sorted(found, key=lambda item: item[0])
+
+
+def execution_order(graph: dict[str, set[str]]) -> list[str]:
+    """The modules, each after the modules it imports (the order Python runs them in)."""
+    order, started = [], set()
+
+    def visit(module: str):
+        if module in started:
+            return                        # run already, or a circle (circles() reports it)
+        started.add(module)
+        for dep in sorted(graph[module]):
+            visit(dep)
+        order.append(module)
+
+    for module in sorted(graph):
+        visit(module)
+    return order
+
+
+def redefinitions() -> list[tuple[str, int, str, str, str]]:
+    """Each attribute a class gets a second time, as (module, line, class, attribute, what): a
+    second def in a class body, or a @patch or `Class.attr = ...` over what the class body, an
+    earlier @patch or an earlier assignment defined; what names the first definition's line."""
+    trees = {name: ast.parse(path.read_text(encoding='utf-8')) for name, path in modules().items()}
+    names = {module: bindings(tree, module) for module, tree in trees.items()}
+    found = []
+    known = {}           # (module, class) -> attribute -> 'module:line' of its first definition
+    for module, tree in trees.items():
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ClassDef):
+                defined, twice = body_attributes(node)
+                if node in tree.body:
+                    known[module, node.name] = {attr: f'{module}:{line}'
+                                                for attr, line in defined.items()}
+                found += [(module, line, node.name, attr, f'second def over {module}:{first}')
+                          for attr, line, first in twice]
+    for module in execution_order(import_graph()):
+        for line, attr, target, how in additions(trees[module], names[module]):
+            cls = class_at(expand(dotted(target), names[module]), trees, names)
+            here = f'{module}:{line}'
+            if cls is not None and (first := known[cls].setdefault(attr, here)) != here:
+                found.append((module, line, cls[1], attr, f'{how} over {first}'))
+    return sorted(found)
+
+
 def main() -> int:
     global PKG
     if len(sys.argv) > 1:
@@ -151,9 +325,14 @@ def main() -> int:
                 'modules outside every part': outside_parts(),
                 'circles': circles(graph), 'modules without a docstring': undocumented(),
                 f'modules over {MAX_MODULE_LINES} lines': long_modules(),
-                f'functions over {MAX_FUNCTION_LINES} lines': long_functions()}
+                f'functions over {MAX_FUNCTION_LINES} lines': long_functions(),
+                'redefinitions': [f'{module}:{line} {cls}.{attr}: {how}'
+                                  for module, line, cls, attr, how in redefinitions()]}
     for what, found in problems.items():
-        print(f'{what}:', found or 'none')
+        if what == 'redefinitions' and found:
+            print(f'{what}:', *found, sep='\n  ')       # one a line: each is long
+        else:
+            print(f'{what}:', found or 'none')
     return 1 if any(problems.values()) else 0
 
 

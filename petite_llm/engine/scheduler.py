@@ -38,6 +38,8 @@ class Sequence:
         self.num_prompt_tokens = len(self.token_ids)
         self.num_computed_tokens = 0   # tokens whose K/V are in the cache
         self.num_cached_tokens = 0     # of those, found in the prefix cache at the last admission
+        # tokens that scheduled steps sample, not yet appended by update()
+        self.num_pending = 0
         self.block_table: list[int] = []
         self.stop_ids: set[int] = set()   # eos and stop token ids, set by Scheduler.add
         self.grammar = None            # its grammar's matcher, if constrained (chapter 22)
@@ -51,7 +53,8 @@ class Sequence:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.token_ids)
+        "Its tokens, the pending ones included: the next step treats them as its newest."
+        return len(self.token_ids) + self.num_pending
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -72,9 +75,9 @@ class Sequence:
 
     @property
     def is_decoding(self) -> bool:
-        "A decode: it has output tokens and only the newest is uncomputed (the one rule for it)."
-        # read per sequence per step: no nested properties
-        num_tokens = len(self.token_ids)
+        "A decode: it has output tokens and only the newest, pending or not, is uncomputed."
+        # the one rule for it; read per sequence per step: no nested properties
+        num_tokens = len(self.token_ids) + self.num_pending
         return num_tokens > self.num_prompt_tokens and self.num_computed_tokens == num_tokens - 1
 
     def __repr__(self):
@@ -105,10 +108,15 @@ class SchedulerOutput:
 
     @property
     def input_ids(self) -> list[int]:
-        "The flat batch: each sequence's new token ids, in order."
+        "The flat batch: each sequence's new token ids, in order; 0 for a token still pending."
         ids = []
         for seq, done, new in zip(self.seqs, self.num_computed_tokens, self.num_new_tokens):
-            ids += seq.token_ids[done:done + new]
+            if new == 1:
+                # a decode, the common case: one token; a pending one is filled in on the device
+                token_ids = seq.token_ids
+                ids.append(token_ids[done] if done < len(token_ids) else 0)
+            else:
+                ids += seq.token_ids[done:done + new]
         return ids
 
     @property
@@ -228,7 +236,9 @@ class Scheduler:
                    for s in self.running)
 
     def _num_new_tokens(self, seq: Sequence, budget: int) -> int:
-        "Tokens seq computes this step (budget > 0): a prefill chunk, or its decode's one token."
+        "Tokens seq computes this step (budget > 0): a prefill chunk, its decode's token, or none."
+        if seq.num_pending and self._at_length(seq, seq.num_tokens):
+            return 0                              # its pending token will be its last
         if seq.is_decoding:
             return 1
         # a recompute after preemption stops before the last token, which then runs as a decode
@@ -295,9 +305,10 @@ class Scheduler:
                                num_decodes, preempted_ids=preempted)
 
     def _advance(self, out: SchedulerOutput):
-        "Count the step's tokens as computed when it is scheduled: update() only appends samples."
-        for seq, new in zip(out.seqs, out.num_new_tokens):
+        "Count the step's tokens as computed when it is scheduled, and its samples as pending."
+        for seq, new, samples in zip(out.seqs, out.num_new_tokens, out.do_sample):
             seq.num_computed_tokens += new
+            seq.num_pending += samples
 
     def _at_length(self, seq: Sequence, num_tokens: int) -> bool:
         "True when num_tokens tokens of seq reach its max_tokens (as output) or max_model_len."
@@ -331,6 +342,7 @@ class Scheduler:
             sampled = dict(zip([seq.seq_id for seq in out.sampling_seqs], sampled))
         finished = []
         for seq, samples in zip(out.seqs, out.do_sample):
+            seq.num_pending -= samples            # its sample is here: no longer pending
             if seq.status is SequenceStatus.FINISHED:
                 continue                          # aborted since schedule(): its token is dropped
             reason = None
@@ -378,64 +390,3 @@ class Scheduler:
                               kv_blocks_used=bm.num_used_blocks, kv_blocks_total=bm.num_blocks,
                               prefix_cache_hit_rate=bm.prefix_hit_rate,
                               num_preemptions=self.num_preemptions)
-
-# %% ../../nbs/14_engine.ipynb #e14as002
-import functools
-import inspect
-
-from fastcore.basics import patch
-
-# a token sampled by a step that is scheduled but not yet appended: 0, or 1 while it is in flight
-Sequence.num_pending = 0
-
-@patch(as_prop=True)
-def num_tokens(self: Sequence) -> int:
-    "Its tokens, the pending one included: the next step treats it as the newest."
-    return len(self.token_ids) + self.num_pending
-
-@patch(as_prop=True)
-def is_decoding(self: Sequence) -> bool:
-    "A decode: it has output tokens and only the newest, pending or not, is uncomputed."
-    # read per sequence per step: no nested properties
-    num_tokens = len(self.token_ids) + self.num_pending
-    return num_tokens > self.num_prompt_tokens and self.num_computed_tokens == num_tokens - 1
-
-@patch(as_prop=True)
-def input_ids(self: SchedulerOutput) -> list[int]:
-    "The flat batch; a pending token's id is a placeholder 0, filled in on the device."
-    ids = []
-    for seq, done, new in zip(self.seqs, self.num_computed_tokens, self.num_new_tokens):
-        if new == 1:
-            # a decode, the common case: one token
-            token_ids = seq.token_ids
-            ids.append(token_ids[done] if done < len(token_ids) else 0)
-        else:
-            ids += seq.token_ids[done:done + new]
-    return ids
-
-@patch
-def _advance(self: Scheduler, out: SchedulerOutput):
-    "Count the step's tokens as computed, and give each sequence that samples a pending token."
-    for seq, new, samples in zip(out.seqs, out.num_new_tokens, out.do_sample):
-        seq.num_computed_tokens += new
-        seq.num_pending += samples
-
-_num_new_tokens_known = Scheduler._num_new_tokens
-
-@patch
-def _num_new_tokens(self: Scheduler, seq: Sequence, budget: int) -> int:
-    "Nothing for a sequence whose pending token will be its last; else chapter 12's count."
-    if seq.num_pending and self._at_length(seq, seq.num_tokens):
-        return 0
-    return _num_new_tokens_known(self, seq, budget)
-
-# chapter 12's update: unwrap, so that running this cell again does not take a token back twice
-_update_known = inspect.unwrap(Scheduler.update)
-
-@patch
-@functools.wraps(_update_known, assigned=())
-def update(self: Scheduler, out: SchedulerOutput, sampled) -> list[Sequence]:
-    "Chapter 12's update, after each sampled token stops being pending."
-    for seq, samples in zip(out.seqs, out.do_sample):
-        seq.num_pending -= samples
-    return _update_known(self, out, sampled)
