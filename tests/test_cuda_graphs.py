@@ -1,6 +1,7 @@
 """CUDA graphs (chapter 14): buckets, static buffers, padding, stale columns — and the same tokens,
 for dense models and for mixture-of-experts ones (chapter 23's fused path reads nothing back to the
-host, so the triton backend's MoE decode step is captured too).
+host, so the triton backend's MoE decode step is captured too; int8 experts read back, so their
+steps run eagerly).
 
 On a CPU the recording is replaced by a stand-in that re-runs the recorded function into the same
 output tensor, so everything around the graph (what is copied where, which bucket, which rows are
@@ -15,7 +16,9 @@ from petite_llm.engine.backends import AttentionMetadata
 from petite_llm.model.config import ModelConfig
 from petite_llm.model.moe import Experts
 from petite_llm.engine.llm_engine import LLM, LLMEngine
-from petite_llm.engine.runner import CUDAGraphs, cuda_graph_batch_sizes
+from petite_llm.engine.loading import get_attention_backend
+from petite_llm.engine.runner import CUDAGraphs, cuda_graph_batch_sizes, graphs_apply
+from petite_llm.model.quantization import quantize_model
 from petite_llm.model.qwen3 import Qwen3ForCausalLM
 from petite_llm.model.sampling import SamplingParams
 
@@ -161,6 +164,17 @@ def test_enforce_eager_and_cpu_record_nothing():
     assert engine.runner.cuda_graphs is None
 
 
+def test_int8_experts_keep_the_step_eager():
+    "Float experts run fused and fit a graph; int8 ones read their counts on the host: no graph."
+    backend = get_attention_backend('triton', 'cpu')
+    dense, moe = _tiny(), _tiny(**MOE)
+    assert graphs_apply(dense, backend) and graphs_apply(moe, backend)
+    assert not graphs_apply(moe, get_attention_backend('torch', 'cpu'))
+    quantize_model(dense, 'int8')
+    quantize_model(moe, 'int8')
+    assert graphs_apply(dense, backend) and not graphs_apply(moe, backend)
+
+
 # --- on a GPU: real graphs -------------------------------------------------------------------
 
 def _hf_checkpoint(path, dtype):
@@ -235,3 +249,16 @@ def test_moe_cuda_graphs_match_eager_and_transformers(tmp_path, shared, record_l
         graphs[size] = (lambda r=replay, s=size: (replays.append(s), r())), out
     _graphs_match_eager_and_hf(eager, graphed, hf, PROMPTS, record_logits)
     assert replays                                       # the decode steps were replayed
+
+
+@pytest.mark.gpu
+def test_int8_moe_runs_eagerly_on_the_gpu():
+    "int8 experts on the triton backend: no graph is recorded, and the tokens are the eager ones."
+    model = _tiny(**MOE).cuda()
+    quantize_model(model, 'int8')
+    kw = dict(attention_backend='triton', kv_cache_memory=2**20, max_num_seqs=5)
+    default, eager = LLMEngine(model, **kw), LLMEngine(model, enforce_eager=True, **kw)
+    assert default.runner.cuda_graphs is None
+    prompts, max_tokens = [[1, 2, 3, 4, 5], [7, 8, 9], [3] * 9], [8, 3, 5]
+    assert _greedy_tokens(default, prompts, max_tokens) == _greedy_tokens(eager, prompts,
+                                                                          max_tokens)

@@ -5,7 +5,7 @@
 from __future__ import annotations
 
 # %% auto 0
-__all__ = ['ModelRunnerOutput', 'ModelRunner', 'StepInFlight', 'build_runner', 'OPAQUE_ATTENTION', 'cuda_graph_batch_sizes', 'capture_cuda_graph', 'CUDAGraphs', 'step_attention', 'OpaqueAttention', 'compile_model', 'run_compiled']
+__all__ = ['ModelRunnerOutput', 'ModelRunner', 'StepInFlight', 'graphs_apply', 'build_runner', 'OPAQUE_ATTENTION', 'cuda_graph_batch_sizes', 'capture_cuda_graph', 'CUDAGraphs', 'step_attention', 'OpaqueAttention', 'compile_model', 'run_compiled']
 
 # %% ../../nbs/14_engine.ipynb #e683d599
 # petite_llm.engine.runner: the model runner: tensors, forward, sampling, CUDA graphs
@@ -173,7 +173,7 @@ class ModelRunner:
         return fill
 
     def resolve(self, step: StepInFlight) -> ModelRunnerOutput:
-        "Wait for a launched step's tokens (its one sync): the step's ModelRunnerOutput."
+        "Wait until a launched step's tokens are on the host: the step's ModelRunnerOutput."
         if step.output is not None:
             return step.output
         if step.copied is not None:
@@ -214,6 +214,14 @@ def _copy_to_host(token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Eve
 from .config import EngineConfig
 from .loading import get_attention_backend
 from .sizing import EngineSizes
+from ..model.moe import SparseMoeBlock, runs_fused
+
+def graphs_apply(model: nn.Module, backend) -> bool:
+    "Whether a CUDA graph can hold model's decode step on backend: nothing in it reads back."
+    # the triton backend runs a mixture-of-experts layer as chapter 23's fused kernels, which
+    # read nothing back to the host; int8 experts count their tokens there, and run eagerly
+    return backend.supports_cuda_graphs and all(
+        runs_fused(m) for m in model.modules() if isinstance(m, SparseMoeBlock))
 
 def build_runner(model: nn.Module, config: EngineConfig, sizes: EngineSizes,
                  compiled: Callable | None = None, speculator=None, workers=None) -> ModelRunner:
@@ -222,10 +230,7 @@ def build_runner(model: nn.Module, config: EngineConfig, sizes: EngineSizes,
     backend = get_attention_backend(config.attention_backend, device, config.batch_invariant)
     runner = ModelRunner(model, sizes.num_blocks, config.block_size, backend,
                          compiled, speculator, workers)
-    # the triton backend runs a mixture-of-experts layer as chapter 23's fused kernels, which
-    # read nothing back to the host: its decode step is captured as a dense one's
-    capturable = backend.supports_cuda_graphs
-    if not config.enforce_eager and device.type == 'cuda' and capturable:
+    if not config.enforce_eager and device.type == 'cuda' and graphs_apply(model, backend):
         runner.capture_cuda_graphs(sizes.max_num_seqs, sizes.max_model_len)
     return runner
 

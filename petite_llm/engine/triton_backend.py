@@ -56,7 +56,7 @@ from torch import nn
 
 from .fused import cos_sin_cache, qk_norm_rope_store, silu_and_mul
 from .fused_moe import fused_experts
-from ..model.moe import Experts, SparseMoeBlock
+from ..model.moe import SparseMoeBlock, runs_fused
 
 class FusedModelBody(nn.Module):
     "model.model on fused kernels on the paged path, same weights (launches_per_layer counts)."
@@ -94,6 +94,5 @@ class FusedModelBody(nn.Module):
         x, residual = fused_add_rms_norm(hidden, residual, norm.weight, norm.eps)
         if isinstance(mlp, SparseMoeBlock):    # chapter 23: the experts in two grouped GEMMs
             # int8 (chapter 19) and oneDNN-packed (chapter 23) experts run their own forward
-            fused = isinstance(mlp.experts, Experts)
-            return mlp(x, experts_forward=fused_experts if fused else None), residual
+            return mlp(x, experts_forward=fused_experts if runs_fused(mlp) else None), residual
         return mlp.down_proj(silu_and_mul(mlp.gate_up_proj(x))), residual
