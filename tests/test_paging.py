@@ -375,3 +375,13 @@ def test_group_by_length_bounds_padding(lengths, max_padding):
         assert len(groups) == 1
     if max_padding == 0.0:
         assert len(groups) == len(set(lengths))
+
+
+@pytest.mark.parametrize("shape", [(3, 4, 2, 8), (0, 4, 2, 8)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_kv_pools_are_zeros_made_when_touched(shape, dtype):
+    "A CPU pool of zeros from the OS's mapping: every byte 0, writable, separate from the next."
+    a, b = paging.zeros(shape, dtype, 'cpu'), paging.zeros(shape, dtype, 'cpu')
+    assert a.shape == shape and a.dtype == dtype and a.is_contiguous() and not a.any()
+    a.fill_(1.5)
+    assert not b.any() and (a == 1.5).all()

@@ -30,8 +30,7 @@ from petite_llm import LLM, SamplingParams
 from petite_llm.cli.main import main
 from petite_llm.model.weights import smollm2_gguf_path
 print('PACKAGE', petite_llm.__file__)
-# the default options but a 16 MiB KV pool: the default one zeroes 4 GiB (7 s on two cores)
-llm = LLM(smollm2_gguf_path(), kv_cache_memory=1 << 24)
+llm = LLM(smollm2_gguf_path())                 # the default options
 print('BACKEND', llm.engine.runner.backend.name)
 outs = llm.generate(['The capital of France is'], SamplingParams(temperature=0, max_tokens=4),
                     use_tqdm=False)

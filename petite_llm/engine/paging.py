@@ -6,6 +6,7 @@
 from __future__ import annotations
 import hashlib
 import math
+import mmap
 from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -15,7 +16,7 @@ import torch
 from .kv_cache import kv_bytes_per_token
 
 # %% auto #0
-__all__ = ['cdiv', 'kv_bytes_per_block', 'num_kv_blocks', 'allocate_kv_cache', 'hash_block', 'Block', 'BlockManager',
+__all__ = ['cdiv', 'kv_bytes_per_block', 'num_kv_blocks', 'allocate_kv_cache', 'zeros', 'hash_block', 'Block', 'BlockManager',
            'check_block_accounting']
 
 # %% ../../nbs/11_paged_blocks.ipynb #aa30035e
@@ -51,10 +52,16 @@ def allocate_kv_cache(model: torch.nn.Module, num_blocks: int, block_size: int,
     caches = []
     for m in model.modules():
         if hasattr(m, 'kv_cache'):
-            k = torch.zeros(shape, dtype=dtype, device=device)
-            m.kv_cache = (k, torch.zeros_like(k))
+            m.kv_cache = (zeros(shape, dtype, device), zeros(shape, dtype, device))
             caches.append(m.kv_cache)
     return caches
+
+def zeros(shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
+    "A tensor of zeros; on a CPU, pages of an anonymous mapping, zeroed by the OS when first used."
+    nbytes = math.prod(shape) * dtype.itemsize
+    if torch.device(device).type != 'cpu' or nbytes == 0:
+        return torch.zeros(shape, dtype=dtype, device=device)
+    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=dtype).view(shape)
 
 # %% ../../nbs/11_paged_blocks.ipynb #1e88339c
 def hash_block(parent: int | None, token_ids) -> int:
