@@ -172,13 +172,18 @@ class TensorParallelWorkers:
         self.closed = False
         atexit.register(self.shutdown)
 
-    def check_alive(self):
-        "Raise TensorParallelError if a worker process has exited."
-        for rank, process in enumerate(self.processes, start=1):
-            if not process.is_alive():
-                raise TensorParallelError(
-                    f"tensor-parallel rank {rank} (pid {process.pid}) exited with code "
-                    f"{process.exitcode}; this engine cannot go on, start a new one")
+    def check_alive(self, wait: float = 0.0):
+        "Raise TensorParallelError if a worker process has exited, or exits within `wait` s."
+        deadline = time.monotonic() + wait
+        while True:
+            for rank, process in enumerate(self.processes, start=1):
+                if not process.is_alive():
+                    raise TensorParallelError(
+                        f"tensor-parallel rank {rank} (pid {process.pid}) exited with code "
+                        f"{process.exitcode}; this engine cannot go on, start a new one")
+            if time.monotonic() >= deadline:
+                return
+            time.sleep(0.01)
 
     def broadcast_step(self, step):
         "Send a step's inputs (block tables, token counts, token ids, logits rows) to every rank."
@@ -188,7 +193,8 @@ class TensorParallelWorkers:
         try:
             dist.broadcast_object_list([step], src=0, group=self.control)
         except RuntimeError as e:
-            self.check_alive()
+            # a killed rank's sockets close before it can be reaped: give it a moment to show
+            self.check_alive(wait=1.0)
             raise TensorParallelError(f"a tensor-parallel rank stopped answering ({e})") from e
 
     def shutdown(self, timeout: float = 10.0):
