@@ -5,6 +5,7 @@ from dataclasses import replace
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 from transformers.generation.logits_process import (
     MinPLogitsWarper, RepetitionPenaltyLogitsProcessor, TemperatureLogitsWarper, TopKLogitsWarper,
     TopPLogitsWarper)
@@ -19,6 +20,34 @@ def _logits(R=6, V=300, seed=0):
     x = torch.randn(R, V, generator=g) * 3
     x[0, 10] = x[0, 11] = x[0].max() - 0.5   # a tie near the top
     return x
+
+
+class HostReads(TorchDispatchMode):
+    "Records the ops that read a tensor's values on the host: on a GPU, each one waits for it."
+    READS = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.nonzero.default}
+
+    def __init__(self):
+        super().__init__()
+        self.reads = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in self.READS:
+            self.reads.append(func.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+def test_top_k_is_read_on_the_host_not_the_device():
+    "Qwen3's own sampling (temperature 0.6, top_k 20, top_p 0.95): probs reads no tensor back."
+    x = _logits()
+    qwen3 = SamplingParams(temperature=0.6, top_k=20, top_p=0.95)
+    params = [qwen3, replace(qwen3, top_k=7), SamplingParams(temperature=0)] + [qwen3] * 3
+    with HostReads() as mode:
+        probs = Sampler().probs(x, params, [[1]] * 6, [[]] * 6)
+    assert mode.reads == []
+    assert (probs[0] > 0).sum() <= 20 and (probs[1] > 0).sum() <= 7
+    with HostReads() as mode:                          # the standalone call, k_max not given
+        apply_top_k(x, torch.full((6,), 20))
+    assert mode.reads == ['_local_scalar_dense.default']
 
 
 @pytest.mark.parametrize("k", [1, 2, 3, 17, 299, 300, 1000])

@@ -215,12 +215,13 @@ def apply_temperature(logits: torch.Tensor, temperature: torch.Tensor) -> torch.
     return logits / t.unsqueeze(-1)
 
 # %% ../../nbs/08_sampling.ipynb #12f6016b
-def apply_top_k(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
+def apply_top_k(logits: torch.Tensor, top_k: torch.Tensor, k_max: int | None = None
+                ) -> torch.Tensor:
     "Keep each row's top_k [R] largest logits (ties with the k-th kept, as HF); k <= 0 keeps all."
     V = logits.shape[-1]
     k = torch.where(top_k > 0, top_k.clamp(max=V), torch.full_like(top_k, V))   # [R]
-    # each row's k_max largest logits, descending: [R, k_max]
-    top = logits.topk(int(k.max()), dim=-1).values
+    # each row's k_max largest logits, descending: [R, k_max]; k_max from the host, or read here
+    top = logits.topk(int(k.max()) if k_max is None else min(k_max, V), dim=-1).values
     kth = top.gather(-1, (k - 1).unsqueeze(-1))                                  # [R, 1]
     return logits.masked_fill(logits < kth, -math.inf)
 
@@ -314,7 +315,8 @@ class Sampler:
         if rows := _rows(params, lambda p: not p.greedy and p.temperature != 1.0):
             x[rows] = apply_temperature(x[rows], _col(params, rows, 'temperature', dev))
         if rows := _rows(params, lambda p: not p.greedy and p.top_k > 0):
-            x[rows] = apply_top_k(x[rows], _col(params, rows, 'top_k', dev, torch.long))
+            k_max = max(params[r].top_k for r in rows)      # on the host: no wait for the device
+            x[rows] = apply_top_k(x[rows], _col(params, rows, 'top_k', dev, torch.long), k_max)
         if rows := _rows(params, lambda p: not p.greedy and p.top_p < 1.0):
             x[rows] = apply_top_p(x[rows], _col(params, rows, 'top_p', dev))
         if rows := _rows(params, lambda p: not p.greedy and p.min_p > 0):
