@@ -8,6 +8,9 @@ output tensor, so everything around the graph (what is copied where, which bucke
 padding) is tested here with the triton backend in Triton's interpreter. The `gpu` tests record
 real graphs and compare with eager steps and with transformers.
 """
+import logging
+from types import SimpleNamespace
+
 import pytest
 import torch
 import transformers
@@ -15,7 +18,8 @@ import transformers
 from petite_llm.engine.backends import AttentionMetadata
 from petite_llm.model.config import ModelConfig
 from petite_llm.model.moe import Experts
-from petite_llm.engine.llm_engine import LLM, LLMEngine
+from petite_llm.engine.config import EngineConfig
+from petite_llm.engine.llm_engine import LLM, LLMEngine, log_engine_start
 from petite_llm.engine.loading import get_attention_backend
 from petite_llm.engine.runner import CUDAGraphs, cuda_graph_batch_sizes, graphs_apply
 from petite_llm.model.quantization import quantize_model
@@ -36,7 +40,9 @@ def test_batch_sizes():
     assert cuda_graph_batch_sizes(1) == [1]
     assert cuda_graph_batch_sizes(8) == [1, 2, 4, 8]
     assert cuda_graph_batch_sizes(20) == [1, 2, 4, 8, 16, 20]
-    assert cuda_graph_batch_sizes(256)[-2:] == [128, 256]
+    assert cuda_graph_batch_sizes(70) == [1, 2, 4, 8, 16, 32, 48, 64, 70]
+    sizes = cuda_graph_batch_sizes(256)          # padding of at most 15 rows above 8
+    assert sizes[:5] == [1, 2, 4, 8, 16] and all(b - a == 16 for a, b in zip(sizes[4:], sizes[5:]))
 
 
 def _md(tables, context_lens, backend):
@@ -162,6 +168,18 @@ def test_graphed_engine_gives_the_eager_tokens(block_size, moe):
 def test_enforce_eager_and_cpu_record_nothing():
     engine = LLMEngine(_tiny(), kv_cache_memory=2**20)
     assert engine.runner.cuda_graphs is None
+
+
+def test_the_start_up_log_counts_the_buckets_and_times_their_recording(caplog):
+    engine = LLMEngine(_tiny(), attention_backend='triton', enforce_eager=True,
+                       kv_cache_memory=2**20, max_num_seqs=20)
+    engine.runner.capture_cuda_graphs(20, engine.max_model_len, capture=replay_eagerly)
+    sizes = SimpleNamespace(num_blocks=8, kv_cache_memory=2**20, source='given', max_model_len=64,
+                            max_num_batched_tokens=64, max_num_seqs=20)
+    with caplog.at_level(logging.INFO, logger='petite_llm.engine'):
+        log_engine_start(EngineConfig(), sizes, engine.runner)
+    assert "replay CUDA graphs for 6 batch sizes, 1 to 20 (recorded in " in caplog.text
+    assert engine.runner.cuda_graphs.capture_seconds > 0
 
 
 def test_int8_experts_keep_the_step_eager():

@@ -45,7 +45,8 @@ def log_engine_start(config: EngineConfig, sizes: EngineSizes, runner) -> None:
     graphs = runner.cuda_graphs
     logger.info("attention backend: %s%s; decode steps %s", runner.backend.name,
                 " (batch-invariant)" if runner.backend.batch_invariant else "",
-                f"replay CUDA graphs for batch sizes {graphs.batch_sizes}"
+                f"replay CUDA graphs for {len(graphs.batch_sizes)} batch sizes, 1 to "
+                f"{graphs.batch_sizes[-1]} (recorded in {graphs.capture_seconds:.1f} s)"
                 if graphs is not None else "run eagerly")
     if runner.compiled is not None:
         logger.info("torch.compile: each new kind of step compiles on its first run "

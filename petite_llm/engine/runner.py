@@ -11,6 +11,7 @@ __all__ = ['ModelRunnerOutput', 'ModelRunner', 'StepInFlight', 'graphs_apply', '
 # petite_llm.engine.runner: the model runner: tensors, forward, sampling, CUDA graphs
 import os
 import shutil
+import time
 from contextvars import ContextVar
 from dataclasses import dataclass
 from functools import partial
@@ -236,11 +237,9 @@ def build_runner(model: nn.Module, config: EngineConfig, sizes: EngineSizes,
 
 # %% ../../nbs/15_engine_performance.ipynb #961fdedd
 def cuda_graph_batch_sizes(max_num_seqs: int) -> list[int]:
-    "Batch sizes to record: the powers of two below max_num_seqs, then max_num_seqs itself."
-    sizes = [1]
-    while sizes[-1] * 2 < max_num_seqs:
-        sizes.append(sizes[-1] * 2)
-    return sorted({*sizes, max_num_seqs})
+    "Batch sizes to record: 1, 2, 4, 8, then every 16 below max_num_seqs, then max_num_seqs."
+    sizes = [1, 2, 4, 8, *range(16, max_num_seqs, 16)]
+    return sorted({size for size in sizes if size < max_num_seqs} | {max_num_seqs})
 
 def capture_cuda_graph(fn: Callable[[], torch.Tensor], pool=None):
     "Record fn as a CUDA graph in pool (None: a new one): (replay, output, the graph's pool)."
@@ -266,6 +265,7 @@ class CUDAGraphs:
         self.block_tables = torch.zeros(n, max_blocks, dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
         self.graphs: dict[int, tuple[Callable, torch.Tensor]] = {}   # size -> (replay, hidden)
+        self.capture_seconds = 0.0                                   # what recording them took
 
     def metadata(self, batch_size: int) -> AttentionMetadata:
         "AttentionMetadata over the first batch_size rows of the static buffers: all decodes."
@@ -284,13 +284,14 @@ class CUDAGraphs:
         "Record forward(input_ids, positions, metadata) for each bucket, the largest first."
         # the largest first, then every other in its memory pool: the smaller graphs reuse the
         # memory of its intermediates rather than each keeping a pool of its own
-        pool = None
+        pool, start = None, time.perf_counter()
         for batch_size in reversed(self.batch_sizes):
             step = partial(forward, self.input_ids[:batch_size], self.positions[:batch_size],
                            self.metadata(batch_size))
             replay, hidden, graph_pool = capture(step, pool)
             pool = graph_pool if pool is None else pool
             self.graphs[batch_size] = replay, hidden
+        self.capture_seconds = time.perf_counter() - start
 
     def can_replay(self, md: AttentionMetadata) -> bool:
         "Whether a recorded graph covers this step: decodes only, few enough, a narrow table."
