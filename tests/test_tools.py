@@ -248,7 +248,7 @@ def test_export_resets_modules_that_no_notebook_creates():
 def test_every_subpackage_says_what_it_holds():
     "Each part's __init__.py is its docstring, its chapters read from the notebooks; no import."
     chapters = export.package_chapters()
-    assert 19 in chapters['model'] and 20 not in chapters['engine'] and chapters['cli'] == [90]
+    assert 19 in chapters['model'] and 20 not in chapters['engine'] and chapters['cli'] == {90}
     for name in export.PACKAGES:
         text = (ROOT / 'petite_llm' / name.replace('.', '/') / '__init__.py').read_text()
         assert text.startswith(f'"""{export.package_doc(name, chapters[name])}"""')

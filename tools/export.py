@@ -97,10 +97,10 @@ def redoc_defaults(defaults: set[str], docs: dict[str, str]):
         path.write_text(docstring(docs[name]).rstrip('\n') + text[end:], encoding='utf-8')
 
 
-def chapters(numbers: list[int]) -> str:
+def chapters(numbers) -> str:
     """[0, 1, 2, 3, 17, 18] -> 'chapters 00-03, 17 and 18': three or more in a row as a range."""
     runs = []
-    for n in sorted(set(numbers)):
+    for n in sorted(numbers):
         if runs and n == runs[-1][1] + 1:
             runs[-1][1] = n
         else:
@@ -112,9 +112,9 @@ def chapters(numbers: list[int]) -> str:
     return f"{word} {', '.join(parts[:-1]) + ' and ' if len(parts) > 1 else ''}{parts[-1]}"
 
 
-def package_chapters() -> dict[str, list[int]]:
+def package_chapters() -> dict[str, set[int]]:
     """Each subpackage of PACKAGES -> the numbered chapters whose cells export into it."""
-    found = {name: [] for name in PACKAGES}
+    found = {name: set() for name in PACKAGES}
     for path in sorted(NBS.glob('[0-9]*.ipynb')):
         number = int(path.name.split('_')[0])
         for cell in read_nb(path)['cells']:
@@ -122,12 +122,12 @@ def package_chapters() -> dict[str, list[int]]:
                 continue
             for module in DEFAULT_EXP.findall(source(cell)) + EXPORT_TO.findall(source(cell)):
                 for name in found:
-                    if module.startswith(name + '.') and number not in found[name]:
-                        found[name].append(number)
+                    if module.startswith(name + '.'):
+                        found[name].add(number)
     return found
 
 
-def package_doc(name: str, numbers: list[int]) -> str:
+def package_doc(name: str, numbers: set[int]) -> str:
     """'The model (chapters 00-09, 15 and 19): what lives there.'"""
     title, holds = PACKAGES[name]
     return f"{title} ({chapters(numbers)}): {holds}"
