@@ -1,10 +1,10 @@
 """Batch invariance (chapter 21) for mixture-of-experts models (chapter 23): with
 batch_invariant=True a prompt's tokens and logits are the same bits alone and inside batches of
 other sizes and compositions, chunked by other step budgets, for Qwen3-MoE and Qwen2-MoE (its
-shared expert). On the torch backend the experts are `BatchInvariantExperts` (one token per
-product), or, in bfloat16 on a CPU whose oneDNN computes it, `PackedExperts` whose packed
-products chapter 21 calls one row at a time; on the triton backend they run in the fused-MoE
-kernel with one tile height and the top-k sum in slot order (its bits checked on a GPU). Both give transformers' greedy tokens in
+shared expert). On the torch backend every stack (float, int8, or in bfloat16 on a CPU whose
+oneDNN computes it `PackedExperts`) runs chapter 21's `one_token_at_a_time` kernel (one token per
+product); on the triton backend float stacks run the fused-MoE kernel `fused_invariant`, with one
+tile height and the top-k sum in slot order (its bits checked on a GPU). Both give transformers' greedy tokens in
 float64 (the triton backend in Triton's interpreter on a CPU). Every product, sum and layout is
 the same whatever the batch, so bit equality is what the mode guarantees, not one machine's
 behaviour; and on any CPU, whatever its library does with other shapes, every matrix product of
@@ -15,10 +15,9 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from petite_llm import LLM, SamplingParams
-from petite_llm.engine import triton_backend
-from petite_llm.engine.batch_invariant import BatchInvariantExperts
-from petite_llm.engine.fused_moe import fused_experts
-from petite_llm.model.moe import SparseMoeBlock
+from dataclasses import replace
+
+from petite_llm.model.moe import EXPERTS_KERNELS, SparseMoeBlock
 from test_moe import VOCAB, _engine_tokens, _pool, checkpoints  # noqa: F401 (a fixture)
 from test_parity import hf_greedy, prompts
 
@@ -38,9 +37,9 @@ def _llm(path, backend, dtype, budget=64, **options):
                max_num_batched_tokens=budget, kv_cache_memory=_pool(path, 256), **options)
 
 
-def _experts(llm):
-    "The expert stacks of the engine's model."
-    return [layer.mlp.experts for layer in llm.engine.model.model.layers
+def _blocks(llm):
+    "The sparse blocks of the engine's model."
+    return [layer.mlp for layer in llm.engine.model.model.layers
             if isinstance(layer.mlp, SparseMoeBlock)]
 
 
@@ -74,21 +73,21 @@ def test_a_prompt_keeps_its_tokens_and_logits_in_any_batch(checkpoints, case, ba
 @pytest.mark.parametrize('backend', ['torch', 'triton'])
 @pytest.mark.parametrize('case', CASES)
 def test_greedy_tokens_are_transformers(checkpoints, case, backend, monkeypatch):
-    "float64, chunked prompts: transformers' tokens, through the invariant experts or kernel."
+    "float64, chunked prompts: transformers' tokens, through the backend's invariant kernel."
     path, hf = checkpoints[case]
-    calls = []
+    name = {'torch': 'one_token_at_a_time', 'triton': 'fused_invariant'}[backend]
+    kernel, calls = EXPERTS_KERNELS[name], []
 
-    def counted(*args):
-        calls.append(args[0])                                   # the stack it was given
-        return fused_experts(*args)
-    monkeypatch.setattr(triton_backend, 'fused_experts', counted)
+    def counted(stack, x, *args):
+        calls.append(x.shape[0])                                # the step's token count
+        return kernel.run(stack, x, *args)
+    monkeypatch.setitem(EXPERTS_KERNELS, name, replace(kernel, run=counted))
     batch = [TARGET, OTHERS[0]] if backend == 'triton' else [TARGET] + OTHERS[:3]
     llm = _llm(path, backend, torch.float64, budget=16)
-    stacks = _experts(llm)
-    assert stacks and all(isinstance(stack, BatchInvariantExperts) for stack in stacks)
+    blocks = _blocks(llm)
+    assert blocks and all(block.experts_kernel == name for block in blocks)
     assert _engine_tokens(llm, batch, 5) == [hf_greedy(hf, p, 5) for p in batch]
-    assert (calls != []) == (backend == 'triton')
-    assert all(isinstance(stack, BatchInvariantExperts) for stack in calls)
+    assert calls and max(calls) > 1                             # prefill chunks ran through it
 
 
 # 2-D matrix products, and which argument holds the activations' rows

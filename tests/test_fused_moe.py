@@ -5,9 +5,9 @@ no token included: float32 and float64 to their rounding, float16 (and bfloat16,
 interpreter has no bfloat16 arithmetic) within a unit or two of the dtype's last place. Through
 the engine's triton backend, an MoE model gives transformers' greedy tokens (float64).
 What lets a CUDA graph capture it: its sizes follow from shapes alone (it runs on the `meta`
-device, which has shapes and no values) and it reads nothing back to the host. With chapter 21's
-`BatchInvariantExperts` it keeps one tile height for every batch, and (on a GPU) a token's output
-is the same bits alone and in any batch.
+device, which has shapes and no values) and it reads nothing back to the host. With
+`invariant=True` (the `fused_invariant` kernel of chapter 21's mode) it keeps one tile height for
+every batch, and (on a GPU) a token's output is the same bits alone and in any batch.
 
 Without a GPU the kernels run in Triton's interpreter (tests/conftest.py switches it on before
 the kernel modules define them); shapes stay tiny, as each program instance costs milliseconds.
@@ -23,12 +23,13 @@ import pytest
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from dataclasses import replace
+
 from petite_llm import LLM
 from petite_llm.engine import triton_backend
-from petite_llm.engine.batch_invariant import make_batch_invariant
 from petite_llm.engine.fused_moe import (fused_experts, moe_align_block_size, tile_height,
                                          topk_sum)
-from petite_llm.model.moe import Experts, route
+from petite_llm.model.moe import EXPERTS_KERNELS, Experts, route
 from test_moe import VOCAB, _engine_tokens, _pool, checkpoints  # noqa: F401 (a fixture)
 from test_parity import hf_greedy, prompts
 
@@ -89,9 +90,7 @@ def test_fused_experts_equals_the_reference(shape, dtype, invariant):
     stack, x, weights, chosen = random_case(*shape, dtype)
     with torch.no_grad():
         ref = stack(x, weights, chosen)                             # [T, H]
-        if invariant:
-            make_batch_invariant(stack)
-        out = fused_experts(stack, x, weights, chosen)
+        out = fused_experts(stack, x, weights, chosen, invariant)
     assert out.shape == ref.shape and out.dtype == ref.dtype
     err = (out - ref).abs().max().item()
     assert err <= TOL[dtype] * ref.abs().max().item(), err
@@ -166,10 +165,8 @@ def test_topk_sum_adds_in_slot_order(dtype):
 
 def test_batch_invariant_experts_take_one_tile_height():
     "Plain stacks: 16-row tiles for a decode's few rows, 64 for a prefill; invariant ones: 64."
-    stack = random_case(8, 2, 1, 16, 16, torch.float32)[0]
-    assert [tile_height(stack, n) for n in (1, 32, 33, 600)] == [16, 16, 64, 64]
-    make_batch_invariant(stack)
-    assert [tile_height(stack, n) for n in (1, 32, 33, 600)] == [64] * 4
+    assert [tile_height(8, n) for n in (1, 32, 33, 600)] == [16, 16, 64, 64]
+    assert [tile_height(8, n, invariant=True) for n in (1, 32, 33, 600)] == [64] * 4
 
 
 @pytest.mark.gpu
@@ -179,12 +176,12 @@ def test_batch_invariant_fused_experts_keep_a_tokens_bits(dtype):
     bits. Compiled, a tile's product computes each of its rows alike; the interpreter's NumPy
     matmul need not (a row can round differently at another place of a tile), hence the GPU."""
     stack, x, weights, chosen = random_case(8, 2, 150, 32, 16, dtype)
-    make_batch_invariant(stack)
+    fused = EXPERTS_KERNELS['fused_invariant'].run
     with torch.no_grad():
-        alone = fused_experts(stack, x[:1], weights[:1], chosen[:1])[0]
+        alone = fused(stack, x[:1], weights[:1], chosen[:1])[0]
         for others in [range(1, 3), range(1, 150), range(5, 40), range(149, 150)]:
             batch = torch.tensor([others[0], 0, *others[1:]], device=DEVICE)   # token 0 second
-            out = fused_experts(stack, x[batch], weights[batch], chosen[batch])
+            out = fused(stack, x[batch], weights[batch], chosen[batch])
             assert torch.equal(out[1], alone), others
 
 
@@ -192,12 +189,12 @@ def test_batch_invariant_fused_experts_keep_a_tokens_bits(dtype):
 def test_engine_triton_backend_gives_transformers_greedy_tokens(checkpoints, case, monkeypatch):
     "Fused attention and fused experts (Triton's interpreter on a CPU), float64, as test_moe."
     path, hf = checkpoints[case]
-    calls = []
+    kernel, calls = EXPERTS_KERNELS['fused'], []
 
-    def counted(*args):
-        calls.append(args[1].shape[0])                           # the step's token count
-        return fused_experts(*args)
-    monkeypatch.setattr(triton_backend, 'fused_experts', counted)
+    def counted(stack, x, *args):
+        calls.append(x.shape[0])                                 # the step's token count
+        return kernel.run(stack, x, *args)
+    monkeypatch.setitem(EXPERTS_KERNELS, 'fused', replace(kernel, run=counted))
     batch = prompts(VOCAB, [3, 9], seed=8)
     llm = LLM(path, dtype=torch.float64, block_size=4, max_num_batched_tokens=16,
               kv_cache_memory=_pool(path, 64), attention_backend='triton')

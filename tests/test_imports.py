@@ -72,7 +72,7 @@ def test_no_class_is_redefined():
 
 
 def test_redefinitions_are_found(tmp_path, monkeypatch):
-    "A @patch, an assignment or a second def over what a class has; additions and swaps are not."
+    "A @patch, an assignment or a second def over what a class has, a class swap; not additions."
     monkeypatch.setattr(import_graph, 'PKG', _package(tmp_path, {
         'engine/scheduler.py': '''"""The scheduler."""
 from fastcore.basics import patch
@@ -128,6 +128,7 @@ def swap(seq):
         ('engine.llm_engine', 6, 'Sequence', 'num_tokens', '@patch over engine.scheduler:9'),
         ('engine.llm_engine', 10, 'Scheduler', 'abort', '@patch over engine.scheduler:28'),
         ('engine.llm_engine', 13, 'Sequence', 'num_pending', 'assignment over engine.scheduler:31'),
+        ('engine.llm_engine', 16, 'seq', '__class__', 'class swap'),
         ('engine.scheduler', 20, 'Scheduler', 'update', 'second def over engine.scheduler:17'),
         ('engine.scheduler', 24, 'Scheduler', 'update', '@patch over engine.scheduler:17'),
         ('engine.scheduler', 32, 'Sequence', 'num_computed_tokens',

@@ -287,7 +287,8 @@ def execution_order(graph: dict[str, set[str]]) -> list[str]:
 def redefinitions() -> list[tuple[str, int, str, str, str]]:
     """Each attribute a class gets a second time, as (module, line, class, attribute, what): a
     second def in a class body, or a @patch or `Class.attr = ...` over what the class body, an
-    earlier @patch or an earlier assignment defined; what names the first definition's line."""
+    earlier @patch or an earlier assignment defined; what names the first definition's line.
+    An object's class swapped (`obj.__class__ = C`: every method replaced) is one too."""
     trees = {name: ast.parse(path.read_text(encoding='utf-8')) for name, path in modules().items()}
     names = {module: bindings(tree, module) for module, tree in trees.items()}
     found = []
@@ -307,6 +308,8 @@ def redefinitions() -> list[tuple[str, int, str, str, str]]:
             here = f'{module}:{line}'
             if cls is not None and (first := known[cls].setdefault(attr, here)) != here:
                 found.append((module, line, cls[1], attr, f'{how} over {first}'))
+            if attr == '__class__':
+                found.append((module, line, dotted(target) or '?', attr, 'class swap'))
     return sorted(found)
 
 

@@ -9,12 +9,10 @@ import torch
 from torch import nn
 
 from .backends import AttentionMetadata, TorchAttentionBackend, store_kv
-from ..model.moe import Experts
-from ..model.quantization import Int8Experts
+from ..model.moe import EXPERTS_KERNELS, ExpertsKernel
 
 # %% auto #0
-__all__ = ['INVARIANT_EXPERTS', 'invariant_rows', 'BatchInvariantLinear', 'OneTokenAtATime', 'BatchInvariantExperts',
-           'BatchInvariantInt8Experts', 'make_batch_invariant', 'BatchInvariantAttention']
+__all__ = ['invariant_rows', 'BatchInvariantLinear', 'one_token_at_a_time', 'make_batch_invariant', 'BatchInvariantAttention']
 
 # %% ../../nbs/21_batch_invariance.ipynb #bi000010
 def invariant_rows(device) -> int:
@@ -43,25 +41,17 @@ class BatchInvariantLinear(nn.Module):
         return f"rows={self.rows}"
 
 # %% ../../nbs/21_batch_invariance.ipynb #bi000061
-class OneTokenAtATime:
-    "An expert stack run one token at a time: a token's products and their sum never see another."
-    def forward(self, x: torch.Tensor, weights: torch.Tensor,
-                experts: torch.Tensor) -> torch.Tensor:
-        "x [T, H], weights and expert ids [T, k] -> [T, H]: the stack's forward, token by token."
-        forward = super().forward                      # the stack's own, on one token
-        return torch.cat([forward(*token)
-                          for token in zip(x.split(1), weights.split(1), experts.split(1))])
+def one_token_at_a_time(stack: nn.Module, x: torch.Tensor, weights: torch.Tensor,
+                        experts: torch.Tensor) -> torch.Tensor:
+    "x [T, H], weights and expert ids [T, k] -> [T, H]: the stack's own forward, token by token."
+    return torch.cat([stack(*token)
+                      for token in zip(x.split(1), weights.split(1), experts.split(1))])
 
-class BatchInvariantExperts(OneTokenAtATime, Experts):
-    "Chapter 23's Experts, one token at a time."
-
-class BatchInvariantInt8Experts(OneTokenAtATime, Int8Experts):
-    "Chapter 19's int8 experts, one token at a time (their kernel choice follows the row count)."
-
-INVARIANT_EXPERTS = {Experts: BatchInvariantExperts, Int8Experts: BatchInvariantInt8Experts}
+# any stack (float, packed or int8), with any backend: the kernel an invariant engine falls back on
+EXPERTS_KERNELS['one_token_at_a_time'] = ExpertsKernel(one_token_at_a_time, invariant=True)
 
 def make_batch_invariant(model: nn.Module, rows: int | None = None) -> int:
-    "Wrap every linear layer of model (any module with in_features); make its experts invariant."
+    "Wrap every linear layer of model (any module with in_features); return how many."
     rows = rows or invariant_rows(next(model.parameters()).device)
     linears = [(parent, name, child) for parent in model.modules()
                if not isinstance(parent, BatchInvariantLinear)
@@ -69,12 +59,7 @@ def make_batch_invariant(model: nn.Module, rows: int | None = None) -> int:
                if hasattr(child, 'in_features') and not isinstance(child, BatchInvariantLinear)]
     for parent, name, linear in linears:
         setattr(parent, name, BatchInvariantLinear(linear, rows))
-    stacks = [m for m in model.modules() if type(m) in INVARIANT_EXPERTS]
-    for stack in stacks:
-        # the same module, parameters and names, another forward (torch.nn.utils.parametrize
-        # changes a module's class the same way)
-        stack.__class__ = INVARIANT_EXPERTS[type(stack)]
-    return len(linears) + len(stacks)
+    return len(linears)
 
 # %% ../../nbs/21_batch_invariance.ipynb #bi000020
 class BatchInvariantAttention(TorchAttentionBackend):

@@ -13,9 +13,10 @@ import torch
 import triton
 import triton.language as tl
 
-from .batch_invariant import BatchInvariantExperts
+from functools import partial
+
 from .fused import silu_and_mul
-from ..model.moe import Experts
+from ..model.moe import EXPERTS_KERNELS, Experts, ExpertsKernel
 
 def moe_align_block_size(experts: torch.Tensor, block_m: int,
                          num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -112,17 +113,17 @@ def topk_sum(x: torch.Tensor, block: int = 1024) -> torch.Tensor:
         ACC=tl.float64 if x.dtype == torch.float64 else tl.float32)
     return out
 
-def tile_height(stack: Experts, num_assignments: int) -> int:
+def tile_height(num_experts: int, num_assignments: int, invariant: bool = False) -> int:
     "BLOCK_M: 16 for a decode's few rows per expert, 64 for a prefill; 64 always if invariant."
-    if isinstance(stack, BatchInvariantExperts):   # chapter 21: one tile shape for every batch
+    if invariant:                                  # chapter 21: one tile shape for every batch
         return 64
-    return 16 if num_assignments <= 4 * stack.num_experts else 64
+    return 16 if num_assignments <= 4 * num_experts else 64
 
-def fused_experts(stack: Experts, x: torch.Tensor, weights: torch.Tensor,
-                  experts: torch.Tensor) -> torch.Tensor:
+def fused_experts(stack: Experts, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
+                  invariant: bool = False) -> torch.Tensor:
     "Experts.forward in two grouped GEMMs: x [T, H], weights and expert ids [T, k] -> [T, H]."
     (T, hidden), top_k = x.shape, experts.shape[1]
-    block_m = tile_height(stack, T * top_k)
+    block_m = tile_height(stack.num_experts, T * top_k, invariant)
     align = moe_align_block_size(experts, block_m, stack.num_experts)
     gate_up = x.new_empty(T * top_k, 2 * stack.intermediate_size)  # [T·k, 2I]: row t·k + j
     grouped_gemm(x, stack.gate_up_proj, gate_up, align, block_m, top_k)
@@ -130,3 +131,9 @@ def fused_experts(stack: Experts, x: torch.Tensor, weights: torch.Tensor,
     grouped_gemm(silu_and_mul(gate_up), stack.down_proj, down, align, block_m, 1,
                  weights.flatten().contiguous())
     return topk_sum(down.view(T, top_k, hidden))
+
+# the triton backend's engine runs them on float stacks; a CUDA graph holds either
+EXPERTS_KERNELS['fused'] = ExpertsKernel(fused_experts, (Experts,), 'triton', capturable=True)
+EXPERTS_KERNELS['fused_invariant'] = ExpertsKernel(partial(fused_experts, invariant=True),
+                                                   (Experts,), 'triton', capturable=True,
+                                                   invariant=True)

@@ -26,6 +26,8 @@ from ..model.sampling import Sampler
 from .scheduler import SchedulerOutput, Sequence
 
 # %% ../../nbs/14_engine.ipynb #f0c44ed1
+from ..model.moe import SparseMoeBlock, experts_kernel
+
 @dataclass
 class ModelRunnerOutput:
     "What one forward pass chose for the sequences that reached their last token (in `seqs` order)."
@@ -48,6 +50,9 @@ class ModelRunner:
         # in allocate_kv_cache's order
         self.attn_layers = [m for m in model.modules() if hasattr(m, 'kv_cache')]
         self.backend = backend if backend is not None else TorchAttentionBackend()
+        for block in (m for m in model.modules() if isinstance(m, SparseMoeBlock)):
+            # chapter 23: the experts kernel that an engine on this backend runs
+            block.experts_kernel = experts_kernel(block.experts, self.backend)
         self.sampler = Sampler()
         self.compiled = compiled          # the model under torch.compile (CPU), or None
         self.speculator = speculator      # chapter 16's Speculator, for steps that verify drafts
@@ -215,14 +220,15 @@ def _copy_to_host(token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Eve
 from .config import EngineConfig
 from .loading import get_attention_backend
 from .sizing import EngineSizes
-from ..model.moe import SparseMoeBlock, runs_fused
+from ..model.moe import EXPERTS_KERNELS
 
 def graphs_apply(model: nn.Module, backend) -> bool:
     "Whether a CUDA graph can hold model's decode step on backend: nothing in it reads back."
-    # the triton backend runs a mixture-of-experts layer as chapter 23's fused kernels, which
-    # read nothing back to the host; int8 experts count their tokens there, and run eagerly
+    # chapter 23: each sparse layer's experts kernel must be capturable (the triton backend's
+    # fused ones are; int8 experts count their tokens on the host, and their steps run eagerly)
     return backend.supports_cuda_graphs and all(
-        runs_fused(m) for m in model.modules() if isinstance(m, SparseMoeBlock))
+        EXPERTS_KERNELS[experts_kernel(m.experts, backend)].capturable
+        for m in model.modules() if isinstance(m, SparseMoeBlock))
 
 def build_runner(model: nn.Module, config: EngineConfig, sizes: EngineSizes,
                  compiled: Callable | None = None, speculator=None, workers=None) -> ModelRunner:

@@ -55,8 +55,9 @@ class TritonAttentionBackend(AttentionBackend):
 from torch import nn
 
 from .fused import cos_sin_cache, qk_norm_rope_store, silu_and_mul
-from .fused_moe import fused_experts
-from ..model.moe import SparseMoeBlock, runs_fused
+# chapter 23: registers the experts kernels that an engine on this backend runs
+from . import fused_moe  # noqa: F401
+from ..model.moe import SparseMoeBlock
 
 class FusedModelBody(nn.Module):
     "model.model on fused kernels on the paged path, same weights (launches_per_layer counts)."
@@ -92,7 +93,6 @@ class FusedModelBody(nn.Module):
         hidden = attn.o_proj(out.view(-1, attn.q_size))                   # [T, hidden]
         norm = layer.post_attention_layernorm
         x, residual = fused_add_rms_norm(hidden, residual, norm.weight, norm.eps)
-        if isinstance(mlp, SparseMoeBlock):    # chapter 23: the experts in two grouped GEMMs
-            # int8 (chapter 19) and oneDNN-packed (chapter 23) experts run their own forward
-            return mlp(x, experts_forward=fused_experts if runs_fused(mlp) else None), residual
+        if isinstance(mlp, SparseMoeBlock):    # chapter 23: by the experts kernel the runner set
+            return mlp(x), residual
         return mlp.down_proj(silu_and_mul(mlp.gate_up_proj(x))), residual
