@@ -29,7 +29,9 @@ from petite_llm import LLM
 from petite_llm.engine import triton_backend
 from petite_llm.engine.fused_moe import (fused_experts, moe_align_block_size, tile_height,
                                          topk_sum)
-from petite_llm.model.moe import EXPERTS_KERNELS, Experts, route
+from petite_llm.engine.loading import get_attention_backend
+from petite_llm.model.moe import EXPERTS_KERNELS, Experts, experts_kernel, route
+from petite_llm.model.quantization import Int8Experts
 from test_moe import VOCAB, _engine_tokens, _pool, checkpoints  # noqa: F401 (a fixture)
 from test_parity import hf_greedy, prompts
 
@@ -201,3 +203,16 @@ def test_engine_triton_backend_gives_transformers_greedy_tokens(checkpoints, cas
     assert isinstance(llm.engine.runner.body, triton_backend.FusedModelBody)
     assert _engine_tokens(llm, batch, 5) == [hf_greedy(hf, p, 5) for p in batch]
     assert 12 in calls and 2 in calls                            # the prefill and the decodes
+
+
+@pytest.mark.parametrize('invariant', [False, True])
+@pytest.mark.parametrize('backend', ['torch', 'triton'])
+def test_each_backend_gets_an_experts_kernel_it_can_run(backend, invariant):
+    """The registry's rule: the backend's own kernel for float stacks (fused, capturable), the
+    reference or one token at a time for int8 ones; an invariant kernel iff the backend is."""
+    engine_backend = get_attention_backend(backend, 'cpu', batch_invariant=invariant)
+    stack = random_case(4, 2, 1, 16, 16, torch.float32)[0]
+    for stack, fused in [(stack, backend == 'triton'), (Int8Experts.from_experts(stack), False)]:
+        kernel = EXPERTS_KERNELS[experts_kernel(stack, engine_backend)]
+        assert kernel.invariant == invariant and kernel.capturable == fused
+        assert kernel.backend == ('triton' if fused else None)
