@@ -7,6 +7,7 @@ budgets, prefix hits, preemption and mixed priorities. Greedy identity is checke
 weights give near-ties that fp32 rounding could flip); fp32 is checked on the logits of every
 generated position, within 1e-4 * max|logit|.
 """
+import functools
 import logging
 import random
 from dataclasses import replace
@@ -18,6 +19,7 @@ import transformers
 from petite_llm.model.config import ModelConfig
 from petite_llm.engine.llm_engine import LLM, LLMEngine
 from petite_llm.engine.config import EngineConfig
+from petite_llm.engine.outputs import merge_outputs
 from petite_llm.model.layers.linear import PackedLinear, packed_linear_available, prepack_linears
 from petite_llm.engine.paging import kv_bytes_per_block
 from petite_llm.model.sampling import SamplingParams
@@ -282,7 +284,34 @@ def test_final_only_reports_each_request_once_with_the_cumulative_answer(f64):
     assert all(seen[rid] == 1 for rid, (kind, _) in ids.items() if kind == 'final_only')
     assert all(seen[rid] > 1 for rid, (kind, _) in ids.items() if kind == 'cumulative')
     with pytest.raises(ValueError, match="output_kind must be one of"):
-        SamplingParams(output_kind='delta')
+        SamplingParams(output_kind='deltas')
+
+
+def test_delta_outputs_hold_only_what_is_new(f64):
+    """output_kind='delta': each output holds only the step's ids and logprobs, which add up to
+    the cumulative answer (two samples, logprobs); a stream of n tokens copies n, not ~n²/2."""
+    path, _ = f64
+    eng = LLM(path, block_size=4, kv_cache_memory=_pool(path, 64, 4)).engine
+    outs = {}
+    for kind in ('cumulative', 'delta'):        # one at a time: the same steps, the same bits
+        sp = SamplingParams(temperature=1.0, seed=3, n=2, max_tokens=12, logprobs=2,
+                            ignore_eos=True, output_kind=kind)
+        eng.add_request([11, 12, 13, 14, 15], sp)
+        outs[kind] = [out for _ in range(40) for out in eng.step()]
+        assert not eng.has_unfinished_requests()
+    answer, deltas = outs['cumulative'][-1], outs['delta']
+    assert deltas[-1].finished and {o.output_kind for o in deltas} == {'delta'}
+    for whole in answer.outputs:
+        pieces = [out.outputs[whole.index] for out in deltas]
+        assert all(p.token_ids == p.delta_token_ids for p in pieces)
+        assert sum((p.token_ids for p in pieces), []) == whole.token_ids
+        assert sum((p.logprobs for p in pieces), []) == whole.logprobs
+    copied = {kind: sum(len(c.token_ids) for out in seen for c in out.outputs)
+              for kind, seen in outs.items()}
+    assert copied['delta'] == 2 * 12 < copied['cumulative']
+    merged = functools.reduce(merge_outputs, deltas)       # a reader that fell behind
+    for whole, got in zip(answer.outputs, merged.outputs):
+        assert (got.token_ids, got.logprobs) == (whole.token_ids, whole.logprobs)
 
 
 def test_generate_asks_for_final_outputs_and_streams_still_get_deltas(f64):

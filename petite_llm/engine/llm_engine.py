@@ -438,6 +438,7 @@ class LLM:
         sp = sampling_params
         if sp is None:
             sp = self.engine.default_sampling_params()
+        sp = replace(sp, output_kind='delta')       # only the deltas are read
         if sp.n != 1:
             raise ValueError(f"stream() follows one completion; got n={sp.n}: "
                              "use generate() for n > 1")

@@ -94,6 +94,8 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics
+    # its SamplingParams' output_kind: 'delta' outputs hold only what is new since the last one
+    output_kind: str = 'cumulative'
 
     # the first completion's fields, for the common n = 1 case
     text = property(lambda self: self.outputs[0].text,
@@ -114,22 +116,30 @@ class _Request:
     detoks: list[IncrementalDetokenizer | None]
     completions: list[CompletionOutput]
     metrics: RequestMetrics
-    final_only: bool = False    # report nothing before the last completion ends
+    output_kind: str = 'cumulative'    # SamplingParams.output_kind: what each output holds
 
     def output(self) -> RequestOutput:
-        "A snapshot for the caller (later steps do not change it); resets the deltas."
-        snapshots = [_snapshot(completion) for completion in self.completions]
+        "What the caller gets now (later steps do not change it); resets the deltas."
+        take = _delta if self.output_kind == 'delta' else _snapshot
+        outputs = [take(completion) for completion in self.completions]
         for completion in self.completions:
             completion.delta_text, completion.delta_token_ids = '', []
         finished = all(completion.finished for completion in self.completions)
-        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, snapshots,
-                             finished, replace(self.metrics))
+        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outputs,
+                             finished, replace(self.metrics), self.output_kind)
 
 def _snapshot(completion: CompletionOutput) -> CompletionOutput:
     "A copy of a completion whose lists later steps will not grow."
     logprobs = None if completion.logprobs is None else list(completion.logprobs)
     return replace(completion, token_ids=list(completion.token_ids), logprobs=logprobs,
                    delta_token_ids=list(completion.delta_token_ids))
+
+def _delta(completion: CompletionOutput) -> CompletionOutput:
+    "What a completion added since its last output: that text, those ids and logprobs alone."
+    new = completion.delta_token_ids        # handed over: output() starts the completion a new one
+    logprobs = (None if completion.logprobs is None
+                else completion.logprobs[len(completion.token_ids) - len(new):])
+    return replace(completion, text=completion.delta_text, token_ids=new, logprobs=logprobs)
 
 # %% ../../nbs/14_engine.ipynb #0a101247
 class OutputProcessor:
@@ -149,7 +159,7 @@ class OutputProcessor:
                        for i in range(len(seqs))]
         req = _Request(request_id, prompt if isinstance(prompt, str) else None, prompt_token_ids,
                        [seq.seq_id for seq in seqs], detoks, completions,
-                       RequestMetrics(time.perf_counter()), params.output_kind == 'final_only')
+                       RequestMetrics(time.perf_counter()), params.output_kind)
         self.requests[request_id] = req
         for index, seq in enumerate(seqs):
             self._seq_owner[seq.seq_id] = (req, index)
@@ -200,7 +210,7 @@ class OutputProcessor:
                     break                         # a stop string ended it
             touched[req.request_id] = req
         for req in touched.values():
-            if req.final_only and not all(c.finished for c in req.completions):
+            if req.output_kind == 'final_only' and not all(c.finished for c in req.completions):
                 continue                          # no copy of a completion nobody reads yet
             out = req.output()
             if out.finished:
@@ -237,7 +247,8 @@ class OutputProcessor:
                 ends_here = True
             if ends_here:
                 new_text += detok.finish()
-            completion.text += new_text
+            if req.output_kind != 'delta':     # a delta output's text is its delta_text
+                completion.text += new_text
             completion.delta_text += new_text
         if ends_here:
             completion.finish_reason, completion.stop_reason = seq.finish_reason, seq.stop_reason
@@ -272,4 +283,8 @@ def merge_outputs(older: RequestOutput, newer: RequestOutput) -> RequestOutput:
     for old, new in zip(older.outputs, newer.outputs):
         new.delta_text = old.delta_text + new.delta_text
         new.delta_token_ids = old.delta_token_ids + new.delta_token_ids
+        if newer.output_kind == 'delta':            # its text, ids and logprobs are deltas too
+            new.text, new.token_ids = new.delta_text, new.delta_token_ids
+            if new.logprobs is not None:
+                new.logprobs = old.logprobs + new.logprobs
     return newer

@@ -16,7 +16,7 @@ __all__ = ['OUTPUT_KINDS', 'STRUCTURED_KINDS', 'StructuredOutputsParams', 'Sampl
            'apply_min_p', 'seed_for', 'exponential_noise', 'draw', 'SamplerOutput', 'Sampler']
 
 # %% ../../nbs/08_sampling.ipynb #4c6f200a
-OUTPUT_KINDS = ('cumulative', 'final_only')   # vLLM's RequestOutputKind, less DELTA
+OUTPUT_KINDS = ('cumulative', 'delta', 'final_only')   # vLLM's RequestOutputKind
 
 def _fail(name, value, valid):
     raise ValueError(f"SamplingParams.{name} must be {valid}, got {value!r}")
@@ -108,7 +108,7 @@ class SamplingParams:
     logprobs: int | None = None       # top-k logprobs of the raw distribution per step
     skip_special_tokens: bool = True
     # what each step reports: the whole completion so far, or nothing until it ends
-    output_kind: str = 'cumulative'   # 'cumulative' | 'final_only' (offline generate)
+    output_kind: str = 'cumulative'   # 'cumulative' | 'delta' (streams) | 'final_only' (offline)
     # JSON, a regex, a choice or a grammar the output must follow (chapter 22)
     structured_outputs: StructuredOutputsParams | dict | None = None
 

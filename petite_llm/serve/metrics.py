@@ -46,7 +46,7 @@ class ServerMetrics:
     def observe(self, out: RequestOutput):
         "Count a finished request's tokens and record its latencies."
         self.prompt_tokens.inc(len(out.prompt_token_ids))
-        self.generation_tokens.inc(sum(len(c.token_ids) for c in out.outputs))
+        self.generation_tokens.inc(out.metrics.num_output_tokens)   # every completion's
         m = out.metrics
         if m.time_to_first_token is not None:
             self.ttft.observe(m.time_to_first_token)

@@ -117,7 +117,9 @@ def request_sampling_params(req: _Request, prompt_len: int, max_model_len: int,
                   frequency_penalty=req.frequency_penalty, min_tokens=req.min_tokens,
                   ignore_eos=req.ignore_eos, stop_token_ids=req.stop_token_ids or [],
                   logprobs=logprobs, skip_special_tokens=req.skip_special_tokens,
-                  structured_outputs=structured)
+                  structured_outputs=structured,
+                  # a stream sends what is new, an answer the end: neither copies a history
+                  output_kind='delta' if req.stream else 'final_only')
     optional = dict(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
                     min_p=req.min_p, repetition_penalty=req.repetition_penalty)
     fields.update({k: v for k, v in optional.items() if v is not None})

@@ -182,8 +182,8 @@ async def _sse_events(head: dict, include_usage: bool, prompt_tokens: int, strea
                         continue
                     lps = (c.logprobs or [])[len(c.token_ids) - len(c.delta_token_ids):]
                     yield chunk([choice(k, c, lps)])
+                    completion_tokens += len(c.delta_token_ids)
                     if c.finished:
-                        completion_tokens += len(c.token_ids)
                         done.add(c.index)
                 if out.finished:
                     break
