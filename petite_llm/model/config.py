@@ -12,7 +12,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from fastcore.basics import patch
 
 # %% auto #0
 __all__ = ['DTYPES', 'MOE_MODEL_TYPES', 'SUPPORTED_MODEL_TYPES', 'ROPE_SCALING_KEYS', 'GGUF_ARCHS', 'parse_dtype', 'ModelConfig',
@@ -98,6 +97,23 @@ class ModelConfig:
             self.eos_token_id = [self.eos_token_id]
         self.eos_token_id = list(self.eos_token_id or [])
         self.torch_dtype = parse_dtype(self.torch_dtype)
+
+    # how each is read is this chapter's subject: the functions they call come further down
+    @classmethod
+    def from_dict(cls, config_dict: dict) -> ModelConfig:
+        "Build one from a config.json dict, in the hub's format or transformers 5's."
+        return _config_from_dict(cls, config_dict)
+
+    @classmethod
+    def from_gguf_metadata(cls, meta: dict, tie_word_embeddings: bool,
+                           rope_freqs: list[float] | None = None) -> ModelConfig:
+        "Build one from a GGUF header; tying and `rope_freqs` come from the file's tensors."
+        return _config_from_gguf(cls, meta, tie_word_embeddings, rope_freqs)
+
+    @classmethod
+    def from_pretrained(cls, path) -> ModelConfig:
+        "Read one from a model folder, a config.json, or a .gguf file."
+        return _config_from_path(cls, path)
 
 MOE_MODEL_TYPES = ('qwen3_moe', 'qwen2_moe')
 SUPPORTED_MODEL_TYPES = ('qwen3', 'qwen2', 'llama', *MOE_MODEL_TYPES)
@@ -208,9 +224,8 @@ def _check_unimplemented(config_dict: dict):
     if get('pretraining_tp', 1) not in (1, None):
         raise ValueError(f"pretraining_tp={get('pretraining_tp')} is not implemented (use 1)")
 
-@patch(cls_method=True)
-def from_dict(cls: ModelConfig, config_dict: dict) -> ModelConfig:
-    "Build a ModelConfig from a config.json dict (hub or transformers-5 format)."
+def _config_from_dict(cls: type[ModelConfig], config_dict: dict) -> ModelConfig:
+    "ModelConfig.from_dict: a cls from a config.json dict (hub or transformers-5 format)."
     get = config_dict.get
     model_type = get('model_type')
     if model_type not in SUPPORTED_MODEL_TYPES:
@@ -325,10 +340,9 @@ def _gguf_rope_freqs(reader) -> list[float] | None:
     tensor = next((t for t in reader.tensors if t.name == 'rope_freqs.weight'), None)
     return None if tensor is None else [float(x) for x in tensor.data]
 
-@patch(cls_method=True)
-def from_gguf_metadata(cls: ModelConfig, meta: dict, tie_word_embeddings: bool,
-                       rope_freqs: list[float] | None = None) -> ModelConfig:
-    "Build a ModelConfig from a GGUF header; tying and `rope_freqs` come from its tensors."
+def _config_from_gguf(cls: type[ModelConfig], meta: dict, tie_word_embeddings: bool,
+                      rope_freqs: list[float] | None = None) -> ModelConfig:
+    "ModelConfig.from_gguf_metadata: a cls from a GGUF header, tying and rope_freqs given."
     arch = meta.get('general.architecture')
     if arch not in GGUF_ARCHS:
         raise ValueError(f"GGUF general.architecture={arch!r} is not supported; "
@@ -363,9 +377,8 @@ def from_gguf_metadata(cls: ModelConfig, meta: dict, tie_word_embeddings: bool,
                **_gguf_moe_fields(meta, arch))
 
 # %% ../../nbs/00_config.ipynb #9ed55e19
-@patch(cls_method=True)
-def from_pretrained(cls: ModelConfig, path) -> ModelConfig:
-    "A ModelConfig from a model folder, a config.json, or a .gguf file."
+def _config_from_path(cls: type[ModelConfig], path) -> ModelConfig:
+    "ModelConfig.from_pretrained: a cls from a model folder, a config.json, or a .gguf file."
     path = Path(path)
     if path.suffix == '.gguf':
         reader = _open_gguf(path)

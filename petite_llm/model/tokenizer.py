@@ -12,7 +12,6 @@ from pathlib import Path
 from typing import Any
 
 import jinja2
-from fastcore.basics import patch
 from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
@@ -173,6 +172,49 @@ class Tokenizer:
         "Text of `ids` (invalid UTF-8, e.g. half a character, decodes to U+FFFD)."
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
+    # chapter 06's loaders build one from a model's files (the functions are further down)
+    @classmethod
+    def from_gguf_metadata(cls, meta: dict, source: str = 'GGUF') -> Tokenizer:
+        "Rebuild the tokenizer a GGUF header describes: tokens, merges, token types, special ids."
+        return _tokenizer_from_gguf(cls, meta, source)
+
+    @classmethod
+    def from_pretrained(cls, path_or_id) -> Tokenizer:
+        "Load from a folder (tokenizer.json + tokenizer_config.json), a .gguf file, or a hub id."
+        return _tokenizer_from_path(cls, path_or_id)
+
+    # the chat template: the section "Chat templates" below explains what rendering it needs
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None,
+                            enable_thinking: bool | None = None, tokenize: bool = False,
+                            **kwargs) -> str | list[int]:
+        "Render a conversation with the chat template as transformers does; ids if `tokenize`."
+        if not messages:
+            raise ValueError("apply_chat_template needs at least one message")
+        if tools is not None and not all(isinstance(t, dict) for t in tools):
+            raise TypeError("tools must be JSON-schema dicts "
+                            "({'type': 'function', 'function': {...}})")
+        if enable_thinking is not None:                 # unset: the template's own default
+            kwargs['enable_thinking'] = enable_thinking
+        template = compile_chat_template(_select_template(self, tools))
+        text = template.render(messages=[_clean_message(m) for m in messages], tools=tools,
+                               documents=kwargs.pop('documents', None),
+                               add_generation_prompt=add_generation_prompt,
+                               **{**self.special_tokens, **kwargs})
+        return self.encode(text) if tokenize else text
+
+    def chat_ids(self, messages: list[dict], tools: list[dict] | None = None,
+                 enable_thinking: bool | None = None, **template_kwargs) -> list[int]:
+        "Ids of a conversation rendered for the reply (a ValueError if the template fails)."
+        try:
+            text = self.apply_chat_template(list(messages), add_generation_prompt=True,
+                                            tools=tools, enable_thinking=enable_thinking,
+                                            **template_kwargs)
+        # the template is a program from the model's files: any error of it is the template failing
+        except Exception as e:
+            raise ValueError(f"the chat template failed: {e}") from e
+        return self.encode(text)      # the template wrote the special tokens: encode adds none
+
 # %% ../../nbs/07_tokenizer.ipynb #eafa2f4b
 def _tokenizer_from_folder(cls, folder: Path) -> Tokenizer:
     "A Tokenizer from a Hugging Face folder: tokenizer files, chat template, eos ids of configs."
@@ -192,9 +234,8 @@ def _tokenizer_from_folder(cls, folder: Path) -> Tokenizer:
                add_bos_token=bool(tok_config.get('add_bos_token', False)),
                generation_config=gen_config)
 
-@patch(cls_method=True)
-def from_gguf_metadata(cls: Tokenizer, meta: dict, source: str = 'GGUF') -> Tokenizer:
-    "Rebuild the tokenizer a GGUF header describes: tokens, merges, token types, special ids."
+def _tokenizer_from_gguf(cls: type[Tokenizer], meta: dict, source: str = 'GGUF') -> Tokenizer:
+    "Tokenizer.from_gguf_metadata: a cls rebuilt from a GGUF header's tokens, merges and types."
     kind, pre = meta.get('tokenizer.ggml.model'), meta.get('tokenizer.ggml.pre', 'default')
     if kind != 'gpt2':
         raise ValueError(f"{source}: tokenizer.ggml.model={kind!r} is not supported; "
@@ -222,9 +263,8 @@ def from_gguf_metadata(cls: Tokenizer, meta: dict, source: str = 'GGUF') -> Toke
                eos_token_ids=[meta.get('tokenizer.ggml.eot_token_id')],
                add_bos_token=bool(meta.get('tokenizer.ggml.add_bos_token', False)))
 
-@patch(cls_method=True)
-def from_pretrained(cls: Tokenizer, path_or_id) -> Tokenizer:
-    "Load from a folder (tokenizer.json + tokenizer_config.json), a .gguf file, or a hub id."
+def _tokenizer_from_path(cls: type[Tokenizer], path_or_id) -> Tokenizer:
+    "Tokenizer.from_pretrained: a cls from a model folder, a .gguf file, or a hub id."
     path = Path(path_or_id).expanduser()
     if not path.exists():
         # a hub id: fetched, or found in the HF cache (clear errors for typos and offline)
@@ -295,37 +335,6 @@ def _select_template(self, tools) -> str:
             raise ValueError(f"no 'default' chat template among {sorted(template)}")
         return template['default']
     return template
-
-@patch
-def apply_chat_template(self: Tokenizer, messages: list[dict], add_generation_prompt: bool = True,
-                        tools: list[dict] | None = None, enable_thinking: bool | None = None,
-                        tokenize: bool = False, **kwargs) -> str | list[int]:
-    "Render a conversation with the model's chat template, as transformers does; ids if `tokenize`."
-    if not messages:
-        raise ValueError("apply_chat_template needs at least one message")
-    if tools is not None and not all(isinstance(t, dict) for t in tools):
-        raise TypeError("tools must be JSON-schema dicts ({'type': 'function', 'function': {...}})")
-    if enable_thinking is not None:                 # unset: the template's own default
-        kwargs['enable_thinking'] = enable_thinking
-    template = compile_chat_template(_select_template(self, tools))
-    text = template.render(messages=[_clean_message(m) for m in messages], tools=tools,
-                           documents=kwargs.pop('documents', None),
-                           add_generation_prompt=add_generation_prompt,
-                           **{**self.special_tokens, **kwargs})
-    return self.encode(text) if tokenize else text
-
-# %% ../../nbs/07_tokenizer.ipynb #chatids1
-@patch
-def chat_ids(self: Tokenizer, messages: list[dict], tools: list[dict] | None = None,
-             enable_thinking: bool | None = None, **template_kwargs) -> list[int]:
-    "Ids of a conversation under the chat template, ready for the reply (ValueError if it fails)."
-    try:
-        text = self.apply_chat_template(list(messages), add_generation_prompt=True, tools=tools,
-                                        enable_thinking=enable_thinking, **template_kwargs)
-    # the template is a program from the model's files: any error of it is the template failing
-    except Exception as e:
-        raise ValueError(f"the chat template failed: {e}") from e
-    return self.encode(text)      # the template wrote the special tokens: encode adds none
 
 # %% ../../nbs/07_tokenizer.ipynb #9f60255d
 class IncrementalDetokenizer:
