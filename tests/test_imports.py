@@ -72,7 +72,7 @@ def test_no_class_is_redefined():
 
 
 def test_redefinitions_are_found(tmp_path, monkeypatch):
-    "A @patch, an assignment or a second def over what a class has, a class swap; not additions."
+    "A @patch or an assignment outside a class body, a second def in it, a class swap."
     monkeypatch.setattr(import_graph, 'PKG', _package(tmp_path, {
         'engine/scheduler.py': '''"""The scheduler."""
 from fastcore.basics import patch
@@ -131,5 +131,7 @@ def swap(seq):
         ('engine.llm_engine', 16, 'seq', '__class__', 'class swap'),
         ('engine.scheduler', 20, 'Scheduler', 'update', 'second def over engine.scheduler:17'),
         ('engine.scheduler', 24, 'Scheduler', 'update', '@patch over engine.scheduler:17'),
+        ('engine.scheduler', 28, 'Scheduler', 'abort', '@patch outside the class body'),
+        ('engine.scheduler', 31, 'Sequence', 'num_pending', 'assignment outside the class body'),
         ('engine.scheduler', 32, 'Sequence', 'num_computed_tokens',
          'assignment over engine.scheduler:6')]

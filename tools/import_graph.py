@@ -1,8 +1,8 @@
 """The package's shape: its parts and the arrows between them, which modules import which (at the
 top or inside a function), any circle, any module without a docstring, the modules and
-functions longer than a reader can hold at once, and any attribute of a class defined twice (a
-class is written once: no @patch or `Class.attr = ...` over what it has, no method defined twice
-in its body; a @patch that adds a new attribute is fine).
+functions longer than a reader can hold at once, and any class not written once, complete in
+its body: a @patch or `Class.attr = ...` outside it, a method defined twice in it, an object's
+class swapped.
 
 The parts import one way, lowest first (LEVELS): model, then engine and parallel (which may import
 each other), serve, bench, cli; the package's own __init__ may import any of them.
@@ -143,7 +143,7 @@ def long_functions() -> dict[str, int]:
     return long
 
 
-# A class is written once: what redefines an attribute a class already has
+# A class is written once, complete in its body: what adds to it or redefines it elsewhere
 PATCH = re.compile(r'fastcore(\.\w+)*\.patch')    # fastcore's @patch, wherever it is imported from
 ACCESSORS = ('setter', 'getter', 'deleter')      # @x.setter def x: one property, not two
 
@@ -285,10 +285,10 @@ def execution_order(graph: dict[str, set[str]]) -> list[str]:
 
 
 def redefinitions() -> list[tuple[str, int, str, str, str]]:
-    """Each attribute a class gets a second time, as (module, line, class, attribute, what): a
-    second def in a class body, or a @patch or `Class.attr = ...` over what the class body, an
-    earlier @patch or an earlier assignment defined; what names the first definition's line.
-    An object's class swapped (`obj.__class__ = C`: every method replaced) is one too."""
+    """Each attribute a class gets outside its body or a second time, as (module, line, class,
+    attribute, what): a second def in a class body; any @patch or `Class.attr = ...` (over what
+    the body, an earlier @patch or assignment defined: what names that line); and an object's
+    class swapped (`obj.__class__ = C`: every method replaced)."""
     trees = {name: ast.parse(path.read_text(encoding='utf-8')) for name, path in modules().items()}
     names = {module: bindings(tree, module) for module, tree in trees.items()}
     found = []
@@ -308,6 +308,8 @@ def redefinitions() -> list[tuple[str, int, str, str, str]]:
             here = f'{module}:{line}'
             if cls is not None and (first := known[cls].setdefault(attr, here)) != here:
                 found.append((module, line, cls[1], attr, f'{how} over {first}'))
+            elif cls is not None:
+                found.append((module, line, cls[1], attr, f'{how} outside the class body'))
             if attr == '__class__':
                 found.append((module, line, dotted(target) or '?', attr, 'class swap'))
     return sorted(found)

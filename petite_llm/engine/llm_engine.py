@@ -435,9 +435,7 @@ class LLM:
     def stream(self, prompt, sampling_params=None, priority: int = 0,
                chat_template_kwargs: dict | None = None, enable_thinking: bool | None = None):
         "Yield the text of a prompt (text, ids or a conversation) as it comes; stopping aborts it."
-        sp = sampling_params
-        if sp is None:
-            sp = self.engine.default_sampling_params()
+        sp = sampling_params or self.engine.default_sampling_params()
         sp = replace(sp, output_kind='delta')       # only the deltas are read
         if sp.n != 1:
             raise ValueError(f"stream() follows one completion; got n={sp.n}: "
