@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, strategies as st
 
 from petite_llm.model.layers.attention import causal_attention
-from petite_llm.engine.kv_cache import kv_bytes_per_token
+from petite_llm.model.kv_cache import kv_bytes_per_token
 from petite_llm.engine.backends import AttentionMetadata, TorchAttentionBackend, group_by_length
 from petite_llm.engine.paging import (BlockManager, allocate_kv_cache, cdiv, check_block_accounting,
                                hash_block, kv_bytes_per_block, num_kv_blocks)

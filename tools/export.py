@@ -30,11 +30,11 @@ MODULE_DOC = re.compile(r'^# petite_llm\.([\w.]+): (.+)$', re.M)
 # serve -> engine and parallel -> model; tools/import_graph.py checks it)
 PACKAGES = {
     'model': ("The model", "config, layers, Qwen3 and its mixture of experts, weights, "
-              "quantization, tokenizer, sampling, the no-cache generate loop, and what this CPU "
-              "computes. Imports no other part."),
+              "quantization, tokenizer, sampling, generation without an engine (the loop, then "
+              "with a contiguous KV cache), and what this CPU computes. Imports no other part."),
     'model.layers': ("The decoder's layers", "RMSNorm, RoPE, attention, the MLP and the linear "
                      "layers they share."),
-    'engine': ("The engine", "KV cache, paging, scheduler, attention backends and Triton kernels, "
+    'engine': ("The engine", "the paged KV pool, scheduler, attention backends and Triton kernels, "
                "the model runner, LLMEngine and LLM, speculative decoding, batch invariance, "
                "structured outputs and the fused experts. Imports model, and parallel for "
                "tensor-parallel workers."),

@@ -18,7 +18,7 @@ import torch
 from .peers import (as_dtype, dtype_name, make_random_checkpoint, make_requests,
                                     shape_config)
 from ..engine.llm_engine import LLM
-from ..engine.kv_cache import kv_bytes_per_token
+from ..model.kv_cache import kv_bytes_per_token
 from ..model.sampling import SamplingParams
 
 # %% ../../nbs/18_benchmarks.ipynb #bi170002

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .kv_cache import kv_bytes_per_token
+from ..model.kv_cache import kv_bytes_per_token
 
 # %% auto #0
 __all__ = ['cdiv', 'kv_bytes_per_block', 'num_kv_blocks', 'allocate_kv_cache', 'zeros', 'hash_block', 'Block', 'BlockManager',
