@@ -805,6 +805,29 @@ def test_async_seeded_samples_and_the_unsafe_case_f64(f64):
         _ids(off.generate(prompts, sps, use_tqdm=False))
 
 
+def test_async_logprobs_overlap_and_match_serial_steps(f64):
+    """logprobs are found on the device and read in resolve: a step asking for them still
+    launches before the one in flight resolves, and they equal the serial engine's."""
+    path, _ = f64
+    off, on = _both(path, block_size=4, kv_cache_memory=_pool(path, 64, 4))
+    sps = [SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=3),
+           SamplingParams(temperature=0.8, seed=5, max_tokens=6, ignore_eos=True, logprobs=0),
+           SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)]
+    prompts = [[1, 2, 3], [4, 5, 6, 7], [8, 9]]
+    want = off.generate(prompts, sps, use_tqdm=False)
+    calls = _runner_calls(on.engine)
+    got = on.generate(prompts, sps, use_tqdm=False)
+    launched = [step for kind, step in calls if kind == 'launch']
+    assert calls[:3] == [('launch', launched[0]), ('launch', launched[1]),
+                         ('resolve', launched[0])]
+    assert all(step.output is None for step in launched)          # none sampled on the host
+    for w, g in zip(want, got):
+        assert g.token_ids == w.token_ids and g.outputs[0].logprobs == w.outputs[0].logprobs
+    assert [len(lp) for lp in got[0].outputs[0].logprobs] == [3] * 6     # the chosen is a top 3
+    assert all(len(lp) == 1 for lp in got[1].outputs[0].logprobs)        # logprobs=0: the chosen
+    assert got[2].outputs[0].logprobs is None
+
+
 def test_async_abort_mid_flight(f64):
     "A request aborted while its step is out: reported once as aborted; the other runs on exactly."
     path, hf = f64

@@ -134,7 +134,7 @@ class ModelRunner:
             return StepInFlight(scheduled, seqs, logits,
                                 output=self.speculator.sample(scheduled, logits, self.sampler))
         params = [seq.sampling_params for seq in seqs]
-        # penalties, grammars and logprobs read the tokens: none is pending (LLMEngine waits)
+        # penalties and grammars read the tokens: none is pending (LLMEngine waits)
         on_host = any(p.reads_tokens for p in params)
         # each one's output position: its tokens out and pending, less the one it samples now
         num_out = [seq.num_output_tokens + seq.num_pending - 1 for seq in seqs]
@@ -154,7 +154,11 @@ class ModelRunner:
                                        output_ids, [seq.stop_ids for seq in seqs])
             token_ids = self.sampler.sample(probs, params, output_ids)     # [S]
         if not on_host:
-            return StepInFlight(scheduled, seqs, logits, token_ids, *_copy_to_host(token_ids))
+            # logprobs found on the device too, and read with the tokens in resolve
+            found = self.sampler.logprob_tensors(logits, params, token_ids)
+            host, copied = _copy_to_host([token_ids, *(found[1:] if found else ())])
+            logprobs = None if found is None else (found[0], *host[1:])
+            return StepInFlight(scheduled, seqs, logits, token_ids, host[0], copied, logprobs)
         token_ids = token_ids.tolist()
         logprobs = self.sampler.logprobs(logits, params, token_ids)       # of the raw logits
         output = ModelRunnerOutput(seqs, [[t] for t in token_ids], [[lp] for lp in logprobs],
@@ -185,8 +189,10 @@ class ModelRunner:
         if step.copied is not None:
             step.copied.synchronize()
         token_ids = step.host_token_ids.tolist()
-        return ModelRunnerOutput(step.seqs, [[t] for t in token_ids],
-                                 [[None] for _ in token_ids], step.logits, [0] * len(token_ids))
+        params = [seq.sampling_params for seq in step.seqs]
+        logprobs = self.sampler.logprob_dicts(step.logprobs, params, token_ids)
+        return ModelRunnerOutput(step.seqs, [[t] for t in token_ids], [[lp] for lp in logprobs],
+                                 step.logits, [0] * len(token_ids))
 
 @dataclass(eq=False)
 class StepInFlight:
@@ -196,8 +202,10 @@ class StepInFlight:
     logits: torch.Tensor                    # [R, V]
     token_ids: torch.Tensor | None = None   # [S] sampled, on the device
     host_token_ids: torch.Tensor | None = None   # [S] their copy on the host (pinned on CUDA)
-    copied: torch.cuda.Event | None = None  # recorded after that copy on CUDA; else None
-    # a step sampled on the host (drafts verified, penalties, logprobs): what resolve returns
+    copied: torch.cuda.Event | None = None  # recorded after the copies on CUDA; else None
+    # Sampler.logprob_tensors' (rows, top-k logprobs, ids, chosen), their copies on the host
+    logprobs: tuple | None = None
+    # a step sampled on the host (drafts verified, penalties, grammars): what resolve returns
     output: ModelRunnerOutput | None = None
 
     @property
@@ -205,16 +213,17 @@ class StepInFlight:
         "seq_id -> its row in token_ids."
         return {seq.seq_id: r for r, seq in enumerate(self.seqs)}
 
-def _copy_to_host(token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
-    "Start copying a step's tokens to the host: (the host tensor, an event to wait on, or None)."
-    if not token_ids.is_cuda:
-        return token_ids, None
-    # the copy goes now, so that resolving waits for this step, not the next one
-    host = torch.empty(token_ids.shape, dtype=token_ids.dtype, pin_memory=True)
-    host.copy_(token_ids, non_blocking=True)
+def _copy_to_host(tensors: list[torch.Tensor]) -> tuple[list, torch.cuda.Event | None]:
+    "Start copying a step's results to the host: (the host tensors, an event to wait on, or None)."
+    if not tensors[0].is_cuda:
+        return tensors, None
+    # the copies go now, so that resolving waits for this step, not the next one
+    hosts = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
+    for host, tensor in zip(hosts, tensors):
+        host.copy_(tensor, non_blocking=True)
     copied = torch.cuda.Event()
     copied.record()
-    return host, copied
+    return hosts, copied
 
 # %% ../../nbs/14_engine.ipynb #rf000002
 from .config import EngineConfig

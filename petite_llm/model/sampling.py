@@ -159,11 +159,11 @@ class SamplingParams:
 
     @property
     def reads_tokens(self) -> bool:
-        "True when sampling reads the tokens (penalties, a grammar) or reports each (logprobs)."
-        # otherwise only their count matters: seeded draws and min_tokens read the position
+        "True when sampling reads the tokens so far on the host (penalties, a grammar)."
+        # otherwise only their count matters: seeded draws and min_tokens read the position, and
+        # logprobs are found on the device beside the token (Sampler.logprob_tensors)
         return (self.repetition_penalty != 1.0 or self.presence_penalty != 0
-                or self.frequency_penalty != 0 or self.logprobs is not None
-                or self.structured_outputs is not None)
+                or self.frequency_penalty != 0 or self.structured_outputs is not None)
 
     def stop_token_set(self, eos_token_ids=()) -> set[int]:
         "The token ids that end this request: eos ids (unless `ignore_eos`) plus `stop_token_ids`."
@@ -346,21 +346,37 @@ class Sampler:
         "One token per row of `probs` [R, V]: greedy rows argmax, seeded ones by (seed, position)."
         return draw(probs, self.noise(probs, params, output_ids))           # [R]
 
+    def logprob_tensors(self, logits: torch.Tensor, params,
+                        token_ids: torch.Tensor) -> tuple | None:
+        "On the logits' device, for the rows that asked: (rows, top-k logprobs, their ids, chosen)."
+        if not (rows := _rows(params, lambda p: p.logprobs is not None)):
+            return None
+        # the rows as a device index, sent without waiting (a list would wait for the device)
+        index = torch.tensor(rows).to(logits.device, non_blocking=True)         # [R']
+        raw = logits.index_select(0, index).float().log_softmax(dim=-1)     # [R', V], unprocessed
+        k = min(max(params[r].logprobs for r in rows), raw.shape[-1])       # known on the host
+        top_lp, top_ids = raw.topk(k, dim=-1) if k else (raw[:, :0], raw[:, :0].long())
+        chosen = raw.gather(-1, token_ids.index_select(0, index)[:, None])[:, 0]     # [R']
+        return rows, top_lp, top_ids, chosen
+
+    @staticmethod
+    def logprob_dicts(found: tuple | None, params, token_ids: list[int]) -> list[dict | None]:
+        "logprob_tensors' result read: per row that asked, {id: logprob}, most likely first."
+        logprobs = [None] * len(params)
+        if found is None:
+            return logprobs
+        rows, top_lp, top_ids, chosen = found[0], *(t.tolist() for t in found[1:])
+        for i, r in enumerate(rows):
+            k = params[r].logprobs
+            row_logprobs = dict(zip(top_ids[i][:k], top_lp[i][:k]))
+            row_logprobs.setdefault(token_ids[r], chosen[i])
+            logprobs[r] = dict(sorted(row_logprobs.items(), key=lambda kv: -kv[1]))
+        return logprobs
+
     def logprobs(self, logits: torch.Tensor, params, token_ids: list[int]) -> list[dict | None]:
         "Per row that asked: the raw top-k logprobs and the chosen token's, most likely first."
-        logprobs = [None] * len(params)
-        if rows := _rows(params, lambda p: p.logprobs is not None):
-            raw = logits[rows].float().log_softmax(dim=-1)                   # [R', V], unprocessed
-            k = min(max(params[r].logprobs for r in rows), raw.shape[-1])
-            top_lp, top_ids = raw.topk(k, dim=-1) if k else (raw[:, :0], raw[:, :0].long())
-            chosen_ids = torch.tensor([token_ids[r] for r in rows], device=raw.device)
-            chosen = raw.gather(-1, chosen_ids.unsqueeze(-1))[:, 0].tolist()
-            for i, r in enumerate(rows):
-                k_row = params[r].logprobs
-                row_logprobs = dict(zip(top_ids[i, :k_row].tolist(), top_lp[i, :k_row].tolist()))
-                row_logprobs.setdefault(token_ids[r], chosen[i])
-                logprobs[r] = dict(sorted(row_logprobs.items(), key=lambda kv: -kv[1]))
-        return logprobs
+        chosen = torch.tensor(token_ids, device=logits.device)
+        return self.logprob_dicts(self.logprob_tensors(logits, params, chosen), params, token_ids)
 
     def __call__(self, logits, params, prompt_ids, output_ids, stop_ids=None) -> SamplerOutput:
         "Sample one token per row; see the class docstring for the exact signature."
