@@ -173,6 +173,9 @@ def test_more_ranks_than_gpus_or_no_backend(small, monkeypatch):
     monkeypatch.setattr(torch.cuda, 'is_available', lambda: True)
     monkeypatch.setattr(torch.cuda, 'device_count', lambda: 1)
     monkeypatch.setattr(dist, 'is_nccl_available', lambda: True)
+    # the validator reads the GPU's size for its batch defaults
+    one_gpu = type('Props', (), {'total_memory': 80 * 2**30, 'name': 'a GPU'})
+    monkeypatch.setattr(torch.cuda, 'get_device_properties', lambda device: one_gpu)
     with pytest.raises(ValueError, match=r"needs 2 GPUs, and torch sees 1"):
         LLM(small, tensor_parallel_size=2, device='cuda')
     monkeypatch.setattr(dist, 'is_gloo_available', lambda: False)

@@ -28,10 +28,12 @@ class ScriptedTokenizer:
 
 class ScriptedEngine:
     "Stands in for AsyncLLMEngine: every request gets the same reply, one scripted delta a step."
-    def __init__(self, deltas: list[str], running: bool = True, batch_invariant: bool = False):
+    def __init__(self, deltas: list[str], running: bool = True, batch_invariant: bool = False,
+                 no_grammars: str | None = None):
         self.deltas, self.is_running = deltas, running
         self.engine = SimpleNamespace(tokenizer=ScriptedTokenizer(), max_model_len=64,
-                                      config=SimpleNamespace(batch_invariant=batch_invariant))
+                                      config=SimpleNamespace(batch_invariant=batch_invariant),
+                                      choices=SimpleNamespace(structured_outputs=no_grammars))
 
     async def generate(self, ids, params, request_id=None, **stream_limits):
         text, tokens = "", []
@@ -56,6 +58,13 @@ def test_models_card_says_whether_the_engine_is_batch_invariant(batch_invariant)
     cards = TestClient(build_app(engine, "m")).get("/v1/models").json()["data"]
     assert [(c["id"], c["max_model_len"], c["batch_invariant"]) for c in cards] == [
         ("m", 64, batch_invariant)]
+
+@pytest.mark.parametrize("no_grammars", [None, "structured_outputs do not run with speculative"])
+def test_models_card_says_whether_grammars_run(no_grammars):
+    "/v1/models: structured_outputs is false where the engine refuses them (as with speculation)."
+    engine = ScriptedEngine(["Paris"], no_grammars=no_grammars)
+    card = TestClient(build_app(engine, "m")).get("/v1/models").json()["data"][0]
+    assert card["structured_outputs"] is (no_grammars is None)
 
 def test_health_follows_the_engine_thread():
     assert _client(["x"]).get("/health").status_code == 200

@@ -70,14 +70,12 @@ def add_model_args(p: argparse.ArgumentParser):
                         '(chapter 20; default 1)')
 
 def engine_config(args, **options) -> EngineConfig:
-    "The EngineConfig of a command's model options (--dtype, --device, the engine group)."
+    "The EngineConfig of a command's model options; one it refuses is a ValueError before loading."
     from petite_llm.engine.config import EngineConfig
-    from petite_llm.engine.speculative import SpeculativeConfig, speculative_config
+    from petite_llm.engine.speculative import speculative_config
     device, dtype = resolve_device_dtype(args.device, args.dtype)
     spec = (speculative_config(args.speculative, args.num_speculative_tokens)
             if args.speculative else None)
-    if spec is not None:     # checked now: a bad --num-speculative-tokens fails before loading
-        SpeculativeConfig.from_dict(spec)
     return EngineConfig(dtype=dtype, device=str(device), quantization=args.quantization,
                         attention_backend=args.attention_backend,
                         enforce_eager=args.enforce_eager,

@@ -14,9 +14,9 @@ from typing import Iterator
 from tqdm.auto import tqdm
 
 from .backends import AttentionBackend
-from .config import EngineConfig
+from .config import EngineChoices, EngineConfig, SpeculativeConfig
 from .loading import (get_attention_backend, load_engine_model,
-                                       read_generation_config)
+                                       model_and_device, read_generation_config)
 from .outputs import (EngineStats, OutputProcessor, RequestOutput,
                                        SpecDecodingStats, merge_outputs)
 from .paging import BlockManager
@@ -24,8 +24,7 @@ from .runner import StepInFlight, build_runner, compile_model
 from ..model.sampling import SamplingParams
 from .scheduler import Scheduler, Sequence
 from .sizing import EngineSizes, size_engine
-from .speculative import (SpeculativeConfig, SpeculativeScheduler, Speculator,
-                                           load_draft_model)
+from .speculative import SpeculativeScheduler, Speculator, load_draft_model
 from ..model.tokenizer import Tokenizer, as_list
 
 # one log for the engine's modules (sizing, loading, the workers log to it too)
@@ -58,17 +57,17 @@ class LLMEngine:
     "Requests in, outputs out, one step at a time: schedule → run the model → sample → detokenize."
     def __init__(self, model, tokenizer: Tokenizer | None = None,
                  config: EngineConfig | None = None, generation_config: dict | None = None,
-                 workers=None, **options):
+                 workers=None, choices: EngineChoices | None = None, **options):
         loading = {'dtype', 'device', 'quantization', 'tensor_parallel_size'} & set(options)
         if loading := sorted(loading):
             raise ValueError(f"{', '.join(loading)} apply when the engine loads a model: use "
                              "LLMEngine.from_pretrained (or LLM), or prepare the model yourself")
         config = (config or EngineConfig()).updated(**options)
-        device = next(model.parameters()).device
-        self.config = config = config.updated(async_scheduling=config.overlaps(device))
+        # from_pretrained resolved the options before loading; a built model's are resolved here
+        self.choices = choices = choices or config.resolve(*model_and_device(model))
+        self.config = config = config.updated(async_scheduling=choices.async_scheduling)
         cfg, self.model, self.tokenizer = model.config, model, tokenizer
-        # refused (off the CPU, no C++ compiler) before any memory is taken; compiles lazily
-        compiled = compile_model(model) if config.enable_torch_compile else None
+        compiled = compile_model(model) if config.enable_torch_compile else None   # compiled lazily
         if generation_config is None:
             generation_config = getattr(tokenizer, 'generation_config', {})
         self.generation_config = dict(generation_config)
@@ -124,6 +123,7 @@ class LLMEngine:
                         **options) -> LLMEngine:
         "Load a model (folder, .gguf, hub id or a built model) and its tokenizer; build the engine."
         config = (config or EngineConfig()).updated(**options)
+        choices = config.resolve(*model_and_device(model, config.device))   # before any weight
         workers = None
         if config.tensor_parallel_size > 1:
             from petite_llm.parallel.worker import start_tensor_parallel     # chapter 20
@@ -142,7 +142,7 @@ class LLMEngine:
         else:
             generation_config = read_generation_config(path)
         try:
-            return cls(net.eval(), tokenizer, config, generation_config, workers=workers)
+            return cls(net.eval(), tokenizer, config, generation_config, workers, choices)
         except BaseException:
             if workers is not None:
                 workers.shutdown()          # no worker outlives an engine that failed to start

@@ -5,21 +5,20 @@
 from __future__ import annotations
 
 # %% auto 0
-__all__ = ['logger', 'ATTENTION_BACKENDS', 'get_attention_backend', 'load_engine_model', 'read_generation_config', 'native_bf16', 'default_dtype']
+__all__ = ['logger', 'ATTENTION_BACKENDS', 'has_triton', 'attention_backend_name', 'get_attention_backend', 'load_engine_model', 'model_and_device', 'read_generation_config', 'native_bf16', 'default_dtype']
 
 # %% ../../nbs/14_engine.ipynb #96344529
 # petite_llm.engine.loading: a model for the engine: dtype, attention backend, weights
 import importlib.util
 import json
 import logging
-import os
 from pathlib import Path
 
 import torch
 from torch import nn
 
 from .backends import AttentionBackend, TorchAttentionBackend
-from ..model.config import parse_dtype, resolve_device
+from ..model.config import ModelConfig, parse_dtype, resolve_device
 from ..model.layers.linear import prepack_linears
 from ..model.weights import checkpoint_path, load_model, resolve_model_path
 
@@ -29,31 +28,26 @@ logger = logging.getLogger('petite_llm.engine')
 # %% ../../nbs/14_engine.ipynb #94b298ab
 ATTENTION_BACKENDS = ('auto', 'torch', 'triton')
 
+def has_triton() -> bool:
+    "Whether Triton is installed (it has no wheels for macOS or Windows)."
+    return importlib.util.find_spec('triton') is not None
+
+def attention_backend_name(name: str, device) -> str:
+    "The backend name means on device: 'auto' is triton on CUDA where Triton is, else torch."
+    if name != 'auto':
+        return name
+    return 'triton' if torch.device(device).type == 'cuda' and has_triton() else 'torch'
+
 def get_attention_backend(name: str = 'auto', device='cpu',
                           batch_invariant: bool = False) -> AttentionBackend:
-    "The attention backend called name for a model on device ('auto': triton on CUDA, else torch)."
-    if name not in ATTENTION_BACKENDS:
-        choices = ', '.join(map(repr, ATTENTION_BACKENDS))
-        raise ValueError(f"attention_backend={name!r} is not one of {choices}")
-    on_cuda = torch.device(device).type == 'cuda'
-    has_triton = importlib.util.find_spec('triton') is not None
-    if name == 'auto':
-        name = 'triton' if on_cuda and has_triton else 'torch'
+    "The attention backend called name for a model on device (EngineConfig.check refuses the rest)."
+    name = attention_backend_name(name, device)
     if name == 'torch' and batch_invariant:
         # chapter 21 builds on this module, so it is imported only when asked for
         from petite_llm.engine.batch_invariant import BatchInvariantAttention
         return BatchInvariantAttention()
     if name == 'torch':
         return TorchAttentionBackend()
-    if not has_triton:
-        raise ValueError("attention_backend='triton' needs Triton, which is not installed here "
-                         "(it has no wheels for macOS or Windows): use attention_backend='torch' "
-                         "(--attention-backend torch on the command line), "
-                         "or on Linux pip install triton")
-    if not on_cuda and os.environ.get('TRITON_INTERPRET') != '1':
-        raise ValueError("attention_backend='triton' runs on a CUDA GPU; on a CPU use 'torch' "
-                         "(or set TRITON_INTERPRET=1 before triton is first imported, "
-                         "to run the kernels in Triton's slow interpreter)")
     from petite_llm.engine.triton_backend import TritonAttentionBackend
     return TritonAttentionBackend(batch_invariant=batch_invariant)
 
@@ -63,10 +57,7 @@ def load_engine_model(model, dtype=None, device=None, quantization: str | None =
     "A model for the engine and the path it came from: a built model moved, or a path loaded."
     if quantization is not None:
         # chapter 19 builds on this module, so it is imported only when asked for
-        from petite_llm.model.quantization import QUANTIZATION_METHODS, load_q8_0, quantize_model
-        if quantization not in QUANTIZATION_METHODS:
-            raise ValueError(f"unknown quantization {quantization!r}: choose one of "
-                             f"{', '.join(map(repr, QUANTIZATION_METHODS))} (or None)")
+        from petite_llm.model.quantization import load_q8_0, quantize_model
     if isinstance(model, torch.nn.Module):
         if quantization is not None:
             raise ValueError("quantization applies to a model the engine loads: pass its path, "
@@ -95,6 +86,13 @@ def load_engine_model(model, dtype=None, device=None, quantization: str | None =
         logger.info("packed %d linear layers or expert stacks for oneDNN (bf16 on CPU)",
                     num_packed)
     return net, path
+
+def model_and_device(model, device=None) -> tuple[ModelConfig, torch.device]:
+    "The ModelConfig of a built model or a path, and the device it will run on; no weight read."
+    if isinstance(model, nn.Module):
+        return model.config, resolve_device(device) if device else next(model.parameters()).device
+    return ModelConfig.from_pretrained(checkpoint_path(model)), resolve_device(device)
+
 def read_generation_config(path) -> dict:
     "generation_config.json of a checkpoint folder, or {}."
     if path is None:

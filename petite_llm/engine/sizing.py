@@ -41,6 +41,8 @@ def _gib(num_bytes: int) -> str:
 def gpu_kv_cache_budget(total: int, free: int, weights: int, activations: int,
                         gpu_memory_utilization: float) -> int:
     "KV bytes on a GPU: this engine's share of it, less its weights and its activations' peak."
+    # refused here, not among EngineConfig.check's rules: it needs the weights' bytes and the
+    # activations' peak, which are known once the weights are loaded and a forward has run
     share = int(total * gpu_memory_utilization)
     kv = share - weights - activations
     if kv <= 0:
@@ -123,6 +125,7 @@ def size_engine(config: EngineConfig, models: list[nn.Module]) -> EngineSizes:
             source = (f'{CPU_KV_FRACTION:.0%} of available memory, '
                       f'at most {CPU_KV_CAP / 2**30:.0f} GiB')
     num_blocks = num_kv_blocks(kv_configs, config.block_size, kv_cache_memory, dtype)
+    # a max_model_len given is at most limit: EngineConfig.check refused a longer one
     max_model_len, limit = config.max_model_len, model_config.max_position_embeddings
     if max_model_len is None:
         max_model_len = min(limit, num_blocks * config.block_size)
@@ -130,9 +133,6 @@ def size_engine(config: EngineConfig, models: list[nn.Module]) -> EngineSizes:
             logger.warning("max_model_len lowered from %d to %d tokens: the KV pool holds no "
                            "more; give the KV cache more memory (kv_cache_memory) for longer "
                            "contexts", limit, max_model_len)
-    elif max_model_len > limit:
-        raise ValueError(f"max_model_len={max_model_len} exceeds the model's "
-                         f"max_position_embeddings={limit}; lower max_model_len")
     bytes_per_block = kv_bytes_per_block(kv_configs, config.block_size, dtype)
     return EngineSizes(num_blocks, num_blocks * bytes_per_block, max_model_len, source,
                        max_num_batched_tokens, max_num_seqs)

@@ -5,7 +5,6 @@
 # %% ../../nbs/16_speculative.ipynb #91f05298
 from __future__ import annotations
 import itertools
-import os
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -13,81 +12,15 @@ import torch
 from torch import nn
 
 from .backends import AttentionBackend
+from .config import SpeculativeConfig, spec_error
 from .loading import load_engine_model
 from .runner import ModelRunner, ModelRunnerOutput
 from ..model.sampling import Sampler, SamplingParams, draw, seed_for
 from .scheduler import Scheduler, SchedulerOutput, Sequence, SequenceStatus
 
 # %% auto #0
-__all__ = ['SPECULATIVE_METHODS', 'SpeculativeConfig', 'speculative_config', 'ngram_propose', 'verify_drafts', 'emitted_tokens',
-           'load_draft_model', 'draft_params', 'DraftModelProposer', 'SpeculativeSchedulerOutput',
-           'SpeculativeScheduler', 'Speculator']
-
-# %% ../../nbs/16_speculative.ipynb #aa4a30e5
-SPECULATIVE_METHODS = ('ngram', 'draft_model')
-
-def _config_error(message: str):
-    raise ValueError(f"speculative_config: {message}")
-
-@dataclass
-class SpeculativeConfig:
-    "How the engine speculates (vLLM's names); checked when created."
-    num_speculative_tokens: int                # k: tokens proposed per step
-    method: str | None = None                  # 'ngram' or 'draft_model' (None: from `model`)
-    prompt_lookup_min: int | None = None       # ngram: the shortest suffix worth matching
-    prompt_lookup_max: int | None = None       # ngram: the longest suffix tried first
-    # draft_model: its folder, .gguf file or hub id, or a built model
-    model: str | os.PathLike | nn.Module | None = None
-
-    def __post_init__(self):
-        k = self.num_speculative_tokens
-        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-            _config_error(f"num_speculative_tokens must be an int >= 1 (the tokens proposed per "
-                          f"step), got {k!r}")
-        if self.method is None and self.model is not None:
-            self.method = 'draft_model'
-        if self.method not in SPECULATIVE_METHODS:
-            _config_error(f"method must be one of {', '.join(map(repr, SPECULATIVE_METHODS))}, "
-                          f"got {self.method!r}")
-        if self.method == 'ngram':
-            self._check_lookup()
-        elif self.model is None:
-            _config_error("method 'draft_model' needs 'model': the folder, .gguf file or hub id "
-                          "of a smaller model with the same vocabulary")
-        elif self.prompt_lookup_min is not None or self.prompt_lookup_max is not None:
-            _config_error("prompt_lookup_min and prompt_lookup_max belong to method 'ngram'; "
-                          "drop them for a draft model")
-
-    def _check_lookup(self):
-        "n-gram bounds: defaults as vLLM's, each an int >= 1, min <= max."
-        if self.model is not None:
-            _config_error("method 'ngram' takes no 'model' (it proposes from the sequence itself)")
-        lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
-        if lo is None and hi is None:
-            lo = hi = 5
-        self.prompt_lookup_min = lo = hi if lo is None else lo
-        self.prompt_lookup_max = hi = lo if hi is None else hi
-        for name, value in (('prompt_lookup_min', lo), ('prompt_lookup_max', hi)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                _config_error(f"{name} must be an int >= 1, got {value!r}")
-        if lo > hi:
-            _config_error(f"prompt_lookup_min={lo} is larger than prompt_lookup_max={hi}")
-
-    @classmethod
-    def from_dict(cls, config: dict | SpeculativeConfig) -> SpeculativeConfig:
-        "The config from `LLM(speculative_config=...)`: a dict of vLLM's keys, or a config already."
-        if isinstance(config, cls):
-            return config
-        if not isinstance(config, dict):
-            _config_error(f"expected a dict such as {{'method': 'ngram', "
-                          f"'num_speculative_tokens': 4}}, got {type(config).__name__}")
-        known = set(cls.__dataclass_fields__)
-        if unknown := sorted(set(config) - known):
-            _config_error(f"unknown key(s) {', '.join(map(repr, unknown))}; "
-                          f"the keys are {', '.join(sorted(known))}")
-        if 'num_speculative_tokens' not in config:
-            _config_error("give num_speculative_tokens, the tokens proposed per step (e.g. 4)")
-        return cls(**config)
+__all__ = ['speculative_config', 'ngram_propose', 'verify_drafts', 'emitted_tokens', 'load_draft_model', 'draft_params',
+           'DraftModelProposer', 'SpeculativeSchedulerOutput', 'SpeculativeScheduler', 'Speculator']
 
 # %% ../../nbs/16_speculative.ipynb #7a049784
 def speculative_config(speculative: str, num_speculative_tokens: int = 4) -> dict:
@@ -161,9 +94,9 @@ def load_draft_model(config: SpeculativeConfig, target: nn.Module) -> nn.Module 
     p = next(target.parameters())
     draft, _ = load_engine_model(config.model, p.dtype, p.device)
     if draft.config.vocab_size != target.config.vocab_size:
-        _config_error(f"the draft model's vocabulary has {draft.config.vocab_size} tokens and the "
-                      f"target's {target.config.vocab_size}: a draft must share the target's "
-                      "tokenizer; pick a smaller model of the same family")
+        spec_error(f"the draft model's vocabulary has {draft.config.vocab_size} tokens and the "
+                   f"target's {target.config.vocab_size}: a draft must share the target's "
+                   "tokenizer; pick a smaller model of the same family")
     return draft.eval()
 
 # the seed_for position of a draft's own seed; SamplingParams.for_sample uses -1 ... -n
@@ -332,10 +265,10 @@ class Speculator:
         self.draft = None
         if draft_model is not None:
             if draft_model.config.max_position_embeddings < max_model_len:
-                _config_error(f"the draft model reaches "
-                              f"{draft_model.config.max_position_embeddings} positions, fewer than "
-                              f"max_model_len={max_model_len}; lower max_model_len or pick a draft "
-                              "with a longer context")
+                spec_error(f"the draft model reaches "
+                           f"{draft_model.config.max_position_embeddings} positions, fewer than "
+                           f"max_model_len={max_model_len}; lower max_model_len or pick a draft "
+                           "with a longer context")
             self.draft = DraftModelProposer(draft_model, num_blocks, block_size, backend)
         self.draft_probs: dict[int, torch.Tensor] = {}   # seq id -> q of its drafts [d, V]
 

@@ -65,9 +65,8 @@ class StructuredOutputs:
     @classmethod
     def for_engine(cls, engine) -> StructuredOutputs:
         "An LLMEngine's, for its first constrained request; ValueError where it cannot have one."
-        if engine.speculator is not None:
-            raise ValueError("structured_outputs do not run with speculative decoding (drafts are "
-                             "not checked against the grammar): leave out speculative_config")
+        if engine.choices.structured_outputs is not None:   # known since the engine was built
+            raise ValueError(engine.choices.structured_outputs)
         if engine.tokenizer is None:
             raise ValueError("structured_outputs need the model's tokenizer: this engine has none")
         return cls(engine.tokenizer, engine.model.config.vocab_size, engine.eos_token_ids)

@@ -47,9 +47,7 @@ def tensor_parallel_sizes(config: ModelConfig) -> list[int]:
             if not _split_problems(config, size)]
 
 def check_tensor_parallel(config: ModelConfig, size: int):
-    "Refuse a tensor_parallel_size that does not split config's heads and MLP evenly."
-    if not isinstance(size, int) or isinstance(size, bool) or size < 1:
-        raise ValueError(f"tensor_parallel_size must be a positive int, got {size!r}")
+    "Refuse a tensor_parallel_size (a positive int) that does not split config's heads and MLP."
     if problems := _split_problems(config, size):
         sizes = ', '.join(map(str, tensor_parallel_sizes(config)))
         raise ValueError(f"tensor_parallel_size={size} cannot split this {config.model_type} "

@@ -5,7 +5,7 @@
 from __future__ import annotations
 
 # %% auto 0
-__all__ = ['logger', 'check_engine_options', 'rank_device', 'init_rank', 'load_rank_model', 'rank_kv_cache_memory', 'rank_runner', 'receive_step', 'serve_steps', 'run_worker', 'worker_main', 'TensorParallelWorkers', 'start_tensor_parallel']
+__all__ = ['logger', 'check_launch', 'rank_device', 'init_rank', 'load_rank_model', 'rank_kv_cache_memory', 'rank_runner', 'receive_step', 'serve_steps', 'run_worker', 'worker_main', 'TensorParallelWorkers', 'start_tensor_parallel']
 
 # %% ../../nbs/20_tensor_parallel.ipynb #5eaab723
 # petite_llm.parallel.worker: tensor-parallel worker processes: start, steps, failures
@@ -27,8 +27,8 @@ from ..model.config import ModelConfig, resolve_device
 from ..engine.config import EngineConfig
 from ..engine.sizing import size_engine
 from ..engine.loading import load_engine_model
-from .tensor_parallel import (TensorParallelError, check_tensor_parallel,
-                                                 parallelize, shard_checkpoint, shard_int8)
+from .tensor_parallel import (TensorParallelError, parallelize,
+                                                 shard_checkpoint, shard_int8)
 from ..model.quantization import load_q8_0
 from ..engine.runner import ModelRunner, build_runner
 from ..model.weights import checkpoint_path
@@ -40,8 +40,8 @@ def _launched_by_torchrun() -> bool:
     "Whether torchrun (or any launcher) started this process as one rank: RANK and WORLD_SIZE set."
     return 'RANK' in os.environ and 'WORLD_SIZE' in os.environ
 
-def check_engine_options(config: EngineConfig, model) -> ModelConfig:
-    "Refuse what this machine or model cannot split, before any process starts; its ModelConfig."
+def check_launch(config: EngineConfig, model):
+    "Refuse what this process or machine cannot start, before any process starts."
     size = config.tensor_parallel_size
     if isinstance(model, nn.Module):
         raise ValueError("tensor_parallel_size > 1 loads each rank's shard from the checkpoint: "
@@ -49,8 +49,6 @@ def check_engine_options(config: EngineConfig, model) -> ModelConfig:
     if dist.is_initialized() and not _launched_by_torchrun():
         raise ValueError("this process already belongs to a process group (another tensor-parallel "
                          "engine?): shut that engine down (LLM.shutdown()) before starting one")
-    model_config = ModelConfig.from_pretrained(checkpoint_path(model))
-    check_tensor_parallel(model_config, size)
     if not dist.is_available() or not dist.is_gloo_available():
         raise ValueError("tensor parallelism needs torch.distributed with gloo, which this torch "
                          "build lacks: install the standard torch wheel")
@@ -61,7 +59,6 @@ def check_engine_options(config: EngineConfig, model) -> ModelConfig:
         if size > torch.cuda.device_count():
             raise ValueError(f"tensor_parallel_size={size} needs {size} GPUs, and torch sees "
                              f"{torch.cuda.device_count()}: lower it, or run on the CPU")
-    return model_config
 
 # %% ../../nbs/20_tensor_parallel.ipynb #e6deaff7
 def rank_device(config: EngineConfig, local_rank: int) -> torch.device:
@@ -244,7 +241,7 @@ def _wait_for_workers(processes: list, store: dist.TCPStore):
 # %% ../../nbs/20_tensor_parallel.ipynb #d3edf837
 def start_tensor_parallel(model, config: EngineConfig):
     "Rank 0's start: (its shard, the checkpoint's path, config with each rank's pool, workers)."
-    check_engine_options(config, model)
+    check_launch(config, model)
     size, threads = config.tensor_parallel_size, torch.get_num_threads()
     if _launched_by_torchrun():
         rank, local_rank = int(os.environ['RANK']), int(os.environ.get('LOCAL_RANK', 0))

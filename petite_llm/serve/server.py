@@ -376,7 +376,8 @@ def _add_status_routes(app: FastAPI, server: _Server, guarded: list):
     async def models():
         card = dict(id=server.name, object='model', created=int(time.time()),
                     owned_by='petite_llm', max_model_len=server.max_model_len,
-                    batch_invariant=server.llm.config.batch_invariant)
+                    batch_invariant=server.llm.config.batch_invariant,
+                    structured_outputs=server.llm.choices.structured_outputs is None)
         return dict(object='list', data=[card])
 
     @app.get('/metrics')
