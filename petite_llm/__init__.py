@@ -12,6 +12,6 @@ __version__ = "0.1.0"
 # what `from petite_llm import ...` offers, as vLLM users type it
 from .engine.llm_engine import LLM, LLMEngine
 from .engine.config import EngineConfig
-from .model.sampling import SamplingParams
+from .model.sampling_params import SamplingParams
 # nbdev's `_all_`: imported names go into `__all__` only when named here
 _all_ = ['LLM', 'LLMEngine', 'EngineConfig', 'SamplingParams']

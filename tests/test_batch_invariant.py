@@ -16,7 +16,7 @@ from petite_llm.engine.batch_invariant import (BatchInvariantAttention, BatchInv
                                         make_batch_invariant)
 from petite_llm.engine.llm_engine import LLM
 from petite_llm.model.layers.linear import PackedLinear, packed_linear_available
-from petite_llm.model.sampling import SamplingParams
+from petite_llm.model.sampling_params import SamplingParams
 
 VOCAB = 1000
 # tiny models: one torch thread (tests/conftest.py)

@@ -20,7 +20,8 @@ from petite_llm.model.layers.linear import PackedLinear, packed_linear_available
 from petite_llm.model.layers.norm import RMSNorm
 from petite_llm.model.layers.rope import RotaryEmbedding
 from petite_llm.model.quantization import Int8Linear
-from petite_llm.model.sampling import Sampler, SamplingParams
+from petite_llm.model.sampling import Sampler
+from petite_llm.model.sampling_params import SamplingParams
 
 BATCHES = [2, 3, 7, 32]
 # (query heads, KV heads, head_dim): MQA, GQA of 2, 3 and 8 KV heads; head_dim 32, 64, 128

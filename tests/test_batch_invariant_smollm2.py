@@ -4,7 +4,7 @@ mixed-length prompts, behind a 16-token step budget, and after a prefix-cache hi
 import pytest
 
 from petite_llm.engine.llm_engine import LLM
-from petite_llm.model.sampling import SamplingParams
+from petite_llm.model.sampling_params import SamplingParams
 from petite_llm.model.weights import smollm2_gguf_path
 
 PROBES = ["Name three colours.", "The capital of Italy is", "def quicksort(xs):",

@@ -140,7 +140,7 @@ class FakeDevice:
 @pytest.fixture(scope='module')
 def tiny_engine_factory(tmp_path_factory):
     from petite_llm.engine.llm_engine import LLM
-    from petite_llm.model.sampling import SamplingParams
+    from petite_llm.model.sampling_params import SamplingParams
     path = make_random_checkpoint(tmp_path_factory.mktemp('ck'), shape='tiny', num_layers=1)
 
     def make(device: FakeDevice):

@@ -24,7 +24,7 @@ from petite_llm.engine.loading import get_attention_backend
 from petite_llm.engine.runner import CUDAGraphs, cuda_graph_batch_sizes, graphs_apply
 from petite_llm.model.quantization import quantize_model
 from petite_llm.model.qwen3 import Qwen3ForCausalLM
-from petite_llm.model.sampling import SamplingParams
+from petite_llm.model.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

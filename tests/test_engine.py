@@ -22,7 +22,7 @@ from petite_llm.engine.config import EngineConfig
 from petite_llm.engine.outputs import merge_outputs
 from petite_llm.model.layers.linear import PackedLinear, packed_linear_available, prepack_linears
 from petite_llm.engine.paging import kv_bytes_per_block
-from petite_llm.model.sampling import SamplingParams
+from petite_llm.model.sampling_params import SamplingParams
 from petite_llm.engine.scheduler import SchedulerStats
 from petite_llm.model.weights import load_model
 

@@ -16,7 +16,7 @@ from petite_llm.engine.config import EngineConfig
 from petite_llm.engine.llm_engine import LLM, LLMEngine
 from petite_llm.model.config import ModelConfig
 from petite_llm.model.qwen3 import Qwen3ForCausalLM
-from petite_llm.model.sampling import SamplingParams
+from petite_llm.model.sampling_params import SamplingParams
 
 # 4 query heads on 2 KV heads: tensor_parallel_size 1, 2 and 4 split it, 3 does not
 SHAPE = dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,

@@ -25,7 +25,7 @@ from petite_llm.engine.fused import (cos_sin_cache, fused_add_rms_norm, qk_norm_
 from petite_llm.engine.triton_backend import FusedModelBody
 from petite_llm.model.layers.norm import RMSNorm
 from petite_llm.model.layers.rope import RotaryEmbedding
-from petite_llm.model.sampling import SamplingParams
+from petite_llm.model.sampling_params import SamplingParams
 from test_parity import hf_greedy, make_checkpoint, prompts
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

@@ -21,7 +21,7 @@ from petite_llm.engine.kernel_compile import (EVERY_VARIANT, GPU_TARGETS, compil
                                               compile_report, record_launches)
 from petite_llm.model.qwen3 import Qwen3ForCausalLM
 from petite_llm.engine.paging import kv_bytes_per_block
-from petite_llm.model.sampling import SamplingParams
+from petite_llm.model.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

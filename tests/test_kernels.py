@@ -31,7 +31,7 @@ from petite_llm.engine.fused import fused_add_rms_norm
 from petite_llm.engine.triton_backend import TritonAttentionBackend
 from petite_llm.model.layers.norm import RMSNorm
 from petite_llm.engine.paging import cdiv, kv_bytes_per_block
-from petite_llm.model.sampling import SamplingParams
+from petite_llm.model.sampling_params import SamplingParams
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # on a GPU the softmax scale arrives as a float32 argument: float64 keeps ~1e-8 of it

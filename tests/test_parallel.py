@@ -32,7 +32,7 @@ from petite_llm.engine.paging import kv_bytes_per_block
 from petite_llm.parallel.tensor_parallel import (RowParallelLinear, TensorParallelError,
                                                  check_tensor_parallel, shard_config,
                                                  tensor_parallel_sizes)
-from petite_llm.model.sampling import SamplingParams
+from petite_llm.model.sampling_params import SamplingParams
 
 from test_parity import hf_greedy, make_checkpoint, prompts
 
@@ -270,7 +270,7 @@ def test_workers_exit_when_rank_0_dies(small, tmp_path):
 TORCHRUN = """
 import json, sys
 from petite_llm.engine.llm_engine import LLM
-from petite_llm.model.sampling import SamplingParams
+from petite_llm.model.sampling_params import SamplingParams
 # every rank runs this script; on ranks other than 0, LLM() serves rank 0 and then exits
 llm = LLM(sys.argv[1], tensor_parallel_size=2, device='cpu', dtype='float64',
           kv_cache_memory=2**20)

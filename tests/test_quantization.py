@@ -18,7 +18,7 @@ from petite_llm.model.qwen3 import Qwen3ForCausalLM
 import petite_llm.model.quantization as quantization
 from petite_llm.model.quantization import (Int8Linear, load_q8_0, perplexity,
                                      q8_0_to_int8, quantize_int8, quantize_model)
-from petite_llm.model.sampling import SamplingParams
+from petite_llm.model.sampling_params import SamplingParams
 from petite_llm.model.tokenizer import Tokenizer
 from petite_llm.model.weights import load_model, smollm2_gguf_path
 

@@ -10,9 +10,10 @@ from transformers.generation.logits_process import (
     MinPLogitsWarper, RepetitionPenaltyLogitsProcessor, TemperatureLogitsWarper, TopKLogitsWarper,
     TopPLogitsWarper)
 
-from petite_llm.model.sampling import (Sampler, SamplingParams, apply_min_p, apply_penalties,
-                                 apply_repetition_penalty, apply_temperature, apply_top_k,
-                                 apply_top_p, seed_for, token_counts)
+from petite_llm.model.sampling import (Sampler, apply_min_p, apply_penalties,
+                                       apply_repetition_penalty, apply_temperature, apply_top_k,
+                                       apply_top_p, seed_for, token_counts)
+from petite_llm.model.sampling_params import SamplingParams
 
 
 def _logits(R=6, V=300, seed=0):

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings, strategies as st, HealthCheck
 
 from petite_llm.engine.paging import BlockManager, cdiv, check_block_accounting
-from petite_llm.model.sampling import SamplingParams
+from petite_llm.model.sampling_params import SamplingParams
 from petite_llm.engine.scheduler import Scheduler, Sequence, SequenceStatus
 from petite_llm.engine.speculative import SpeculativeScheduler
 from doubles import FakeModel

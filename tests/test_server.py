@@ -16,7 +16,7 @@ import torch
 import transformers
 
 from petite_llm.engine.llm_engine import LLM, LLMEngine
-from petite_llm.model.sampling import SamplingParams
+from petite_llm.model.sampling_params import SamplingParams
 from petite_llm.serve.async_engine import AsyncLLMEngine, StreamBacklogError
 
 VOCAB, EOS = 300, 2

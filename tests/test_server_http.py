@@ -18,7 +18,7 @@ import transformers
 
 from petite_llm.bench.serving import free_port
 from petite_llm.engine.llm_engine import LLM
-from petite_llm.model.sampling import SamplingParams
+from petite_llm.model.sampling_params import SamplingParams
 
 openai = pytest.importorskip("openai")
 

@@ -8,7 +8,8 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from petite_llm.model.sampling import Sampler, SamplingParams, draw
+from petite_llm.model.sampling import Sampler, draw
+from petite_llm.model.sampling_params import SamplingParams
 from petite_llm.engine.speculative import (SpeculativeConfig, emitted_tokens, ngram_propose,
                                            verify_drafts)
 from speculation_stats import pair_chi_square, speculate_pairs, wrong_acceptance, wrong_residual

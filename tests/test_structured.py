@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from petite_llm.engine.llm_engine import LLM
 from petite_llm.engine.structured import to_grammar
-from petite_llm.model.sampling import SamplingParams, StructuredOutputsParams
+from petite_llm.model.sampling_params import SamplingParams, StructuredOutputsParams
 from test_server_http import write_checkpoint
 
 pytestmark = pytest.mark.usefixtures("one_thread")

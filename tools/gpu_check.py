@@ -27,7 +27,7 @@ from petite_llm.bench.peers import PetitePeer, make_requests, shape_config
 from petite_llm.model.config import ModelConfig
 from petite_llm.engine.llm_engine import LLM
 from petite_llm.model.qwen3 import Qwen3ForCausalLM
-from petite_llm.model.sampling import SamplingParams
+from petite_llm.model.sampling_params import SamplingParams
 
 FULL = dict(device='cuda', shapes=('qwen3-0.6b', 'qwen3-8b'), layers=None, decode_prompt=128,
             decode_tokens=128, requests=256, min_len=100, max_len=1024, prefill_len=8192)

@@ -21,7 +21,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from .peers import make_random_checkpoint, make_requests
 from .profile import time_step_parts
 from ..engine.llm_engine import LLM
-from ..model.sampling import SamplingParams
+from ..model.sampling_params import SamplingParams
 
 # %% ../../nbs/18_benchmarks.ipynb #bh000002
 # allocations, metadata changes and a view its schema does not declare: no kernel (see above)

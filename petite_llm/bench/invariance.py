@@ -19,7 +19,7 @@ from .peers import (as_dtype, dtype_name, make_random_checkpoint, make_requests,
                                     shape_config)
 from ..engine.llm_engine import LLM
 from ..model.kv_cache import kv_bytes_per_token
-from ..model.sampling import SamplingParams
+from ..model.sampling_params import SamplingParams
 
 # %% ../../nbs/18_benchmarks.ipynb #bi170002
 def _decode_ms(engine, batch: int, prompt_len: int, steps: int, repeats: int, seed: int) -> float:

@@ -184,7 +184,7 @@ class PetitePeer:
     name = 'petite_llm'
     def __init__(self, path, dtype=torch.bfloat16, device='cpu', **llm_kwargs):
         from petite_llm.engine.llm_engine import LLM
-        from petite_llm.model.sampling import SamplingParams
+        from petite_llm.model.sampling_params import SamplingParams
         self.SamplingParams = SamplingParams
         self.llm = LLM(str(path), dtype=as_dtype(dtype), device=device, **llm_kwargs)
 

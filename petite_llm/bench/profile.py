@@ -87,7 +87,7 @@ def profile_decode(path, dtype='bfloat16', prompt_len: int = 512, steps: int = 1
     "ms per batch-1 decode step by part, and by function (CPU) or kernel (GPU); see the text."
     import cProfile, pstats
     from petite_llm.engine.llm_engine import LLM
-    from petite_llm.model.sampling import SamplingParams
+    from petite_llm.model.sampling_params import SamplingParams
     old = torch.get_num_threads()
     torch.set_num_threads(1)  # thread_time sees only this thread: keep all the work on it
     try:

@@ -24,7 +24,7 @@ from .real import real_model
 from ..engine.llm_engine import LLM
 from ..engine.structured import StructuredOutputs
 from ..model.config import cpu_name
-from ..model.sampling import SamplingParams, StructuredOutputsParams
+from ..model.sampling_params import SamplingParams, StructuredOutputsParams
 
 # %% ../../nbs/18_benchmarks.ipynb #42c710bf
 # chapter 22's schema: a long string, so that no request can finish before its N tokens

@@ -13,7 +13,7 @@ import functools
 import math
 
 from .runner import Runner
-from ..model.sampling import SamplingParams
+from ..model.sampling_params import SamplingParams
 
 # %% ../../nbs/90_cli.ipynb #da5f4dfa
 def _piece(tokenizer, t: int) -> str:

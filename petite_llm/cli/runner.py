@@ -14,7 +14,7 @@ import os
 import time
 
 from ..model.generate import GenerationResult, GenerationStream
-from ..model.sampling import SamplingParams
+from ..model.sampling_params import SamplingParams
 
 # %% ../../nbs/90_cli.ipynb #62eec3c7
 def default_model() -> str:

@@ -21,7 +21,7 @@ from .outputs import (EngineStats, OutputProcessor, RequestOutput,
                                        SpecDecodingStats, merge_outputs)
 from .paging import BlockManager
 from .runner import StepInFlight, build_runner, compile_model
-from ..model.sampling import SamplingParams
+from ..model.sampling_params import SamplingParams
 from .scheduler import Scheduler, Sequence
 from .sizing import EngineSizes, size_engine
 from .speculative import SpeculativeScheduler, Speculator, load_draft_model

@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass, field, replace
 
 from .runner import ModelRunnerOutput
-from ..model.sampling import SamplingParams
+from ..model.sampling_params import SamplingParams
 from .scheduler import Scheduler, SchedulerStats, Sequence
 from ..model.tokenizer import IncrementalDetokenizer, Tokenizer
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from enum import Enum
 
 from .paging import BlockManager, cdiv
-from ..model.sampling import SamplingParams
+from ..model.sampling_params import SamplingParams
 
 # %% auto #0
 __all__ = ['SequenceStatus', 'Sequence', 'SchedulerOutput', 'SchedulerStats', 'Scheduler']

@@ -15,7 +15,8 @@ from .backends import AttentionBackend
 from .config import SpeculativeConfig, spec_error
 from .loading import load_engine_model
 from .runner import ModelRunner, ModelRunnerOutput
-from ..model.sampling import Sampler, SamplingParams, draw, seed_for
+from ..model.sampling import Sampler, draw, seed_for
+from ..model.sampling_params import SamplingParams
 from .scheduler import Scheduler, SchedulerOutput, Sequence, SequenceStatus
 
 # %% auto #0

@@ -13,7 +13,7 @@ import torch
 import xgrammar as xgr
 
 from .scheduler import Scheduler, Sequence
-from ..model.sampling import StructuredOutputsParams
+from ..model.sampling_params import StructuredOutputsParams
 from ..model.tokenizer import Tokenizer
 
 # %% auto #0

@@ -10,7 +10,8 @@ from typing import Iterator
 
 import torch
 
-from .sampling import Sampler, SamplingParams
+from .sampling import Sampler
+from .sampling_params import SamplingParams
 from .tokenizer import IncrementalDetokenizer
 
 # %% auto #0

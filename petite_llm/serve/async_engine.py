@@ -18,7 +18,7 @@ from typing import AsyncIterator
 
 from ..engine.llm_engine import LLMEngine
 from ..engine.outputs import RequestOutput, merge_outputs
-from ..model.sampling import SamplingParams
+from ..model.sampling_params import SamplingParams
 
 # %% ../../nbs/17_server.ipynb #fa084726
 class StreamBacklogError(RuntimeError):

@@ -13,7 +13,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict
 
-from ..model.sampling import SamplingParams, StructuredOutputsParams
+from ..model.sampling_params import SamplingParams, StructuredOutputsParams
 
 # %% ../../nbs/17_server.ipynb #04a78e27
 class APIError(Exception):

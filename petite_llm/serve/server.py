@@ -22,7 +22,7 @@ from .protocol import (APIError, ChatRequest, CompletionRequest, DetokenizeReque
                                  TokenizeRequest, chat_messages, error_response,
                                  request_sampling_params, structured_outputs_params,
                                  validation_message)
-from ..model.sampling import SamplingParams
+from ..model.sampling_params import SamplingParams
 from .limits import BodyLimit, ServerLimits, guarded_tokenizer
 from .metrics import ServerMetrics
 from .tool_calls import (ToolCallStream, call_objects, finish_reason, tool_choice,

@@ -14,7 +14,7 @@ import re
 import uuid
 from dataclasses import dataclass
 
-from ..model.sampling import StructuredOutputsParams
+from ..model.sampling_params import StructuredOutputsParams
 from .protocol import APIError, checked
 
 TOOL_CALL_START, TOOL_CALL_END = '<tool_call>', '</tool_call>'
