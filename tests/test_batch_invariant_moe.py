@@ -10,13 +10,15 @@ the same whatever the batch, so bit equality is what the mode guarantees, not on
 behaviour; and on any CPU, whatever its library does with other shapes, every matrix product of
 an invariant step is checked to take one row.
 """
+from dataclasses import replace
+
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from petite_llm import LLM, SamplingParams
-from dataclasses import replace
-
+# the modules that register the invariant experts kernels: the torch backend's, the triton one's
+from petite_llm.engine import batch_invariant, fused_moe  # noqa: F401
 from petite_llm.model.moe import EXPERTS_KERNELS, SparseMoeBlock
 from test_moe import VOCAB, _engine_tokens, _pool, checkpoints  # noqa: F401 (a fixture)
 from test_parity import hf_greedy, prompts

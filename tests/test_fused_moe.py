@@ -19,11 +19,11 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")        # before the kernels are defined
 
+from dataclasses import replace
+
 import pytest
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
-
-from dataclasses import replace
 
 from petite_llm import LLM
 from petite_llm.engine import triton_backend

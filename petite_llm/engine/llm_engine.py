@@ -13,14 +13,12 @@ from typing import Iterator
 
 from tqdm.auto import tqdm
 
-from .backends import AttentionBackend
 from .config import EngineChoices, EngineConfig, SpeculativeConfig
-from .loading import (get_attention_backend, load_engine_model,
-                                       model_and_device, read_generation_config)
+from .loading import load_engine_model, model_and_device, read_generation_config
 from .outputs import (EngineStats, OutputProcessor, RequestOutput,
                                        SpecDecodingStats, merge_outputs)
 from .paging import BlockManager
-from .runner import StepInFlight, build_runner, compile_model
+from .runner import StepInFlight, build_runner, compile_model, prepare_models
 from ..model.sampling_params import SamplingParams
 from .scheduler import Scheduler, Sequence
 from .sizing import EngineSizes, size_engine
@@ -80,10 +78,7 @@ class LLMEngine:
             spec_config = SpeculativeConfig.from_dict(config.speculative_config)
             draft = load_draft_model(spec_config, model)     # None for n-gram
         models = [model] + ([draft] if draft is not None else [])
-        if config.batch_invariant:
-            from petite_llm.engine.batch_invariant import make_batch_invariant   # chapter 21
-            for net in models:
-                make_batch_invariant(net)       # every linear on tiles of a fixed row count
+        prepare_models(config, models)
         sizes = size_engine(config, models)
         self.num_kv_blocks, self.block_size = sizes.num_blocks, config.block_size
         self.kv_cache_memory, self.max_model_len = sizes.kv_cache_memory, sizes.max_model_len
@@ -94,9 +89,10 @@ class LLMEngine:
                                         sizes.max_num_seqs, sizes.max_model_len, self.eos_token_ids)
         self.speculator = None
         if spec_config is not None:
-            # the draft gets a backend of its own: a backend keeps per-model buffers
-            self.speculator = Speculator(spec_config, draft, sizes.num_blocks, config.block_size,
-                                         self._attention_backend(), sizes.max_model_len)
+            # chapter 16: the draft's runner is built as every rank's is, and steps eagerly
+            draft_runner = (None if draft is None
+                            else build_runner(draft, config, sizes, cuda_graphs=False))
+            self.speculator = Speculator(spec_config, draft_runner, sizes.max_model_len)
         self.runner = build_runner(model, config, sizes, compiled, self.speculator, workers)
         log_engine_start(config, sizes, self.runner)
         self.output_processor = OutputProcessor(tokenizer, self.scheduler)
@@ -106,12 +102,6 @@ class LLMEngine:
         self.spec_stats = SpecDecodingStats()      # over every request
         self._in_flight: StepInFlight | None = None   # launched, not resolved (async scheduling)
         self.structured: StructuredOutputs | None = None   # the first grammar makes it (ch. 22)
-
-    def _attention_backend(self) -> AttentionBackend:
-        "A new backend of the configured kind for this engine's device."
-        return get_attention_backend(self.config.attention_backend,
-                                     next(self.model.parameters()).device,
-                                     self.config.batch_invariant)
 
     @property
     def requests(self) -> dict:

@@ -5,7 +5,7 @@
 from __future__ import annotations
 
 # %% auto 0
-__all__ = ['ModelRunnerOutput', 'ModelRunner', 'StepInFlight', 'graphs_apply', 'build_runner', 'OPAQUE_ATTENTION', 'cuda_graph_batch_sizes', 'capture_cuda_graph', 'CUDAGraphs', 'step_attention', 'OpaqueAttention', 'compile_model', 'run_compiled']
+__all__ = ['ModelRunnerOutput', 'ModelRunner', 'StepInFlight', 'graphs_apply', 'prepare_models', 'build_runner', 'OPAQUE_ATTENTION', 'cuda_graph_batch_sizes', 'capture_cuda_graph', 'CUDAGraphs', 'step_attention', 'OpaqueAttention', 'compile_model', 'run_compiled']
 
 # %% ../../nbs/14_engine.ipynb #e683d599
 # petite_llm.engine.runner: the model runner: tensors, forward, sampling, CUDA graphs
@@ -237,14 +237,23 @@ def graphs_apply(model: nn.Module, backend) -> bool:
         EXPERTS_KERNELS[experts_kernel(m.experts, backend)].capturable
         for m in model.modules() if isinstance(m, SparseMoeBlock))
 
+def prepare_models(config: EngineConfig, models: list[nn.Module]):
+    "What every rank does to its models before sizing them: chapter 21's invariant linears."
+    if config.batch_invariant:
+        from petite_llm.engine.batch_invariant import make_batch_invariant   # chapter 21
+        for model in models:
+            make_batch_invariant(model)       # every linear on tiles of a fixed row count
+
 def build_runner(model: nn.Module, config: EngineConfig, sizes: EngineSizes,
-                 compiled: Callable | None = None, speculator=None, workers=None) -> ModelRunner:
-    "One rank's runner, built alike on every rank: backend, KV pool, CUDA graphs if they apply."
+                 compiled: Callable | None = None, speculator=None, workers=None,
+                 cuda_graphs: bool = True) -> ModelRunner:
+    "A runner built alike for rank 0, each worker and a draft: backend, KV pool, CUDA graphs."
     device = next(model.parameters()).device
     backend = get_attention_backend(config.attention_backend, device, config.batch_invariant)
     runner = ModelRunner(model, sizes.num_blocks, config.block_size, backend,
                          compiled, speculator, workers)
-    if not config.enforce_eager and device.type == 'cuda' and graphs_apply(model, backend):
+    if (cuda_graphs and not config.enforce_eager and device.type == 'cuda'
+            and graphs_apply(model, backend)):
         runner.capture_cuda_graphs(sizes.max_num_seqs, sizes.max_model_len)
     return runner
 

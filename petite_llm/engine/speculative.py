@@ -11,7 +11,6 @@ import numpy as np
 import torch
 from torch import nn
 
-from .backends import AttentionBackend
 from .config import SpeculativeConfig, spec_error
 from .loading import load_engine_model
 from .runner import ModelRunner, ModelRunnerOutput
@@ -111,10 +110,10 @@ def draft_params(params: SamplingParams) -> SamplingParams:
 
 class DraftModelProposer:
     "A smaller model with the target's vocabulary drafts tokens for many sequences at once."
-    def __init__(self, model: nn.Module, num_blocks: int, block_size: int,
-                 backend: AttentionBackend):
-        # its own K/V pool, addressed by the target's block ids
-        self.runner = ModelRunner(model, num_blocks, block_size, backend)
+    def __init__(self, runner: ModelRunner):
+        # the draft's runner (chapter 14's build_runner): its own K/V pool, addressed by the
+        # target's block ids
+        self.runner = runner
         self.sampler = Sampler()
         # seq id -> (tokens whose draft K/V is cached, the sequence's num_preemptions then)
         self.cached: dict[int, tuple[int, int]] = {}
@@ -260,17 +259,17 @@ class SpeculativeScheduler(Scheduler):
 # %% ../../nbs/16_speculative.ipynb #b4ecf66b
 class Speculator:
     "Speculation inside the engine: drafts for the decodes before a step, verified after it."
-    def __init__(self, config: SpeculativeConfig, draft_model: nn.Module | None, num_blocks: int,
-                 block_size: int, backend: AttentionBackend, max_model_len: int):
+    def __init__(self, config: SpeculativeConfig, draft_runner: ModelRunner | None,
+                 max_model_len: int):
         self.config = config
         self.draft = None
-        if draft_model is not None:
-            if draft_model.config.max_position_embeddings < max_model_len:
-                spec_error(f"the draft model reaches "
-                           f"{draft_model.config.max_position_embeddings} positions, fewer than "
+        if draft_runner is not None:
+            limit = draft_runner.model.config.max_position_embeddings
+            if limit < max_model_len:
+                spec_error(f"the draft model reaches {limit} positions, fewer than "
                            f"max_model_len={max_model_len}; lower max_model_len or pick a draft "
                            "with a longer context")
-            self.draft = DraftModelProposer(draft_model, num_blocks, block_size, backend)
+            self.draft = DraftModelProposer(draft_runner)
         self.draft_probs: dict[int, torch.Tensor] = {}   # seq id -> q of its drafts [d, V]
 
     def propose(self, scheduler: SpeculativeScheduler):

@@ -30,7 +30,7 @@ from ..engine.loading import load_engine_model
 from .tensor_parallel import (TensorParallelError, parallelize,
                                                  shard_checkpoint, shard_int8)
 from ..model.quantization import load_q8_0
-from ..engine.runner import ModelRunner, build_runner
+from ..engine.runner import ModelRunner, build_runner, prepare_models
 from ..model.weights import checkpoint_path
 
 logger = logging.getLogger('petite_llm.engine')
@@ -111,11 +111,8 @@ def rank_kv_cache_memory(config: EngineConfig, model: nn.Module, size: int,
 # %% ../../nbs/20_tensor_parallel.ipynb #ddecbbab
 def rank_runner(model: nn.Module, config: EngineConfig) -> ModelRunner:
     "A worker's ModelRunner: the pool rank 0's engine sizes, built by rank 0's own factory."
-    sizes = size_engine(config, [model])
-    if config.batch_invariant:                # as LLMEngine does on rank 0 (chapter 21)
-        from petite_llm.engine.batch_invariant import make_batch_invariant
-        make_batch_invariant(model)
-    return build_runner(model, config, sizes)
+    prepare_models(config, [model])           # as LLMEngine does on rank 0
+    return build_runner(model, config, size_engine(config, [model]))
 
 # %% ../../nbs/20_tensor_parallel.ipynb #e13cf806
 def receive_step(control: dist.ProcessGroup):
