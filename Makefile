@@ -110,7 +110,8 @@ test: setup debian-packages
 	  exit 1; fi
 	@echo "== $$(date -u +%T) the package's shape: parts, arrows, circles, docstrings, lengths"
 	$(PY) tools/import_graph.py | grep -v '^[a-z_.]* *->'
-	@echo "== $$(date -u +%T) README.md in sync with nbs/index.ipynb"
+	@echo "== $$(date -u +%T) table of contents and README.md in sync with the chapters"
+	$(PY) tools/toc.py --check
 	$(PY) tools/make_readme.py --check
 	@echo "== $$(date -u +%T) saved outputs fresh (make book)"
 	$(PY) tools/check_outputs.py
