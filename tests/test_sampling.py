@@ -51,6 +51,21 @@ def test_top_k_is_read_on_the_host_not_the_device():
     assert mode.reads == ['_local_scalar_dense.default']
 
 
+def test_logprobs_are_found_without_a_read_back():
+    "logprob_tensors reads nothing back; logprob_dicts, on its copies, gives what logprobs gives."
+    x, sampler = _logits(), Sampler()
+    params = [SamplingParams(logprobs=3), SamplingParams(), SamplingParams(logprobs=0)] * 2
+    tokens = torch.tensor([5, 9, 17, 250, 0, 3])                       # [R], as launch has them
+    with HostReads() as mode:
+        found = sampler.logprob_tensors(x, params, tokens)
+    assert mode.reads == [] and found[0] == [0, 2, 3, 5]
+    dicts = Sampler.logprob_dicts(found, params, tokens.tolist())
+    assert dicts == sampler.logprobs(x, params, tokens.tolist())
+    assert [d is None for d in dicts] == [False, True, False] * 2
+    assert all(len(dicts[r]) in (3, 4) and tokens[r].item() in dicts[r] for r in (0, 3))
+    assert all(list(dicts[r]) == [tokens[r].item()] for r in (2, 5))       # logprobs=0
+
+
 @pytest.mark.parametrize("k", [1, 2, 3, 17, 299, 300, 1000])
 def test_top_k_matches_transformers(k):
     x = _logits()
