@@ -35,6 +35,7 @@ from petite_llm.parallel.tensor_parallel import (RowParallelLinear, TensorParall
 from petite_llm.model.sampling_params import SamplingParams
 
 from test_parity import hf_greedy, make_checkpoint, prompts
+from tp_ranks import lm_head_on_rank
 
 VOCAB = 301          # not a multiple of 2 or 3: the last rank's vocabulary rows are padding
 BASE = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, max_position_embeddings=512,
@@ -442,3 +443,12 @@ def test_a_worker_runs_rank_0s_step_method(small, monkeypatch):
     theirs = [(step, logits) for r, step, logits in calls if r is runner]
     assert [s for s, _ in ours] == [s for s, _ in theirs] == Workers.sent
     assert all(torch.equal(a, b) for (_, a), (_, b) in zip(ours, theirs))
+
+
+def test_only_rank_0_receives_the_logits(tmp_path):
+    "The head's slices are gathered on rank 0, which alone samples: a worker gets no logits."
+    torch.multiprocessing.spawn(lm_head_on_rank, args=(3, str(tmp_path / 'init'), str(tmp_path)),
+                                nprocs=3, join=True)
+    results = [torch.load(tmp_path / f'{rank}.pt') for rank in range(3)]
+    assert results[1]['got'] is None and results[2]['got'] is None
+    torch.testing.assert_close(results[0]['got'], results[0]['want'])      # [3, 10]

@@ -74,8 +74,10 @@ def profile_gpu_memory(models: list[nn.Module], profile_tokens: int = 2048,
     num_tokens = min(profile_tokens, model.config.max_position_embeddings)
     hidden = model.model(torch.zeros(num_tokens, dtype=torch.long, device=device),
                          torch.arange(num_tokens, device=device))     # [num_tokens, H]
-    # about what the sampler holds for profile_rows rows
-    model.compute_logits(hidden[-profile_rows:]).float().softmax(-1)
+    # about what the sampler holds for profile_rows rows (a tensor-parallel worker gets no logits)
+    logits = model.compute_logits(hidden[-profile_rows:])
+    if logits is not None:
+        logits.float().softmax(-1)
     torch.cuda.synchronize(device)
     activations = torch.cuda.max_memory_allocated(device) - before
     del hidden

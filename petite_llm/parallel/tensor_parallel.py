@@ -18,7 +18,7 @@ from ..engine.paging import cdiv
 
 # %% auto #0
 __all__ = ['tensor_parallel_sizes', 'check_tensor_parallel', 'shard_config', 'kv_head_start', 'shard_tensor', 'shard_int8',
-           'shard_checkpoint', 'TensorParallelError', 'all_reduce', 'all_gather', 'RowParallelLinear',
+           'shard_checkpoint', 'TensorParallelError', 'all_reduce', 'gather_to_rank_0', 'RowParallelLinear',
            'VocabParallelEmbedding', 'ParallelLMHead', 'parallelize']
 
 # %% ../../nbs/20_tensor_parallel.ipynb #54ae51ee
@@ -126,11 +126,11 @@ def all_reduce(x: torch.Tensor) -> torch.Tensor:
     _collective(dist.all_reduce, x)
     return x
 
-def all_gather(x: torch.Tensor, size: int) -> torch.Tensor:
-    "Every rank's x [R, C], side by side: [R, size * C]."
-    pieces = [torch.empty_like(x) for _ in range(size)]
-    _collective(dist.all_gather, pieces, x.contiguous())
-    return torch.cat(pieces, dim=-1)
+def gather_to_rank_0(x: torch.Tensor, rank: int, size: int) -> torch.Tensor | None:
+    "Every rank's x [R, C], side by side on rank 0: [R, size * C]; None on the other ranks."
+    pieces = [torch.empty_like(x) for _ in range(size)] if rank == 0 else None
+    _collective(dist.gather, x.contiguous(), pieces, dst=0)
+    return None if pieces is None else torch.cat(pieces, dim=-1)
 
 # %% ../../nbs/20_tensor_parallel.ipynb #3497a4d4
 class RowParallelLinear(nn.Module):
@@ -158,15 +158,15 @@ class VocabParallelEmbedding(nn.Module):
         return all_reduce(hidden.masked_fill_(~mine[:, None], 0))
 
 class ParallelLMHead(nn.Module):
-    "lm_head on this rank's rows of the vocabulary; every rank's logits gathered, the padding cut."
-    def __init__(self, head: nn.Module, vocab_size: int, size: int):
+    "lm_head on this rank's rows of the vocabulary; the logits gathered on rank 0, padding cut."
+    def __init__(self, head: nn.Module, vocab_size: int, rank: int, size: int):
         super().__init__()
-        self.head, self.vocab_size, self.size = head, vocab_size, size
+        self.head, self.vocab_size, self.rank, self.size = head, vocab_size, rank, size
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:   # [R, hidden] -> [R, vocab]
-        "The logits of the whole vocabulary, on every rank."
-        logits = all_gather(self.head(hidden), self.size)       # [R, size * rows]
-        return logits[:, :self.vocab_size].contiguous()
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:   # [R, hidden] -> [R, vocab]
+        "The whole vocabulary's logits on rank 0, which alone samples; None on the other ranks."
+        logits = gather_to_rank_0(self.head(hidden), self.rank, self.size)   # [R, size * rows]
+        return None if logits is None else logits[:, :self.vocab_size].contiguous()
 
 # %% ../../nbs/20_tensor_parallel.ipynb #005d009c
 def parallelize(model: nn.Module, vocab_size: int, rank: int, size: int) -> nn.Module:
@@ -179,6 +179,6 @@ def parallelize(model: nn.Module, vocab_size: int, rank: int, size: int) -> nn.M
             layer.mlp.down_proj = RowParallelLinear(layer.mlp.down_proj)
     weight = model.model.embed_tokens.weight                   # [rows, hidden], rows = V / size
     model.model.embed_tokens = VocabParallelEmbedding(weight, rank * weight.shape[0])
-    model.lm_head = ParallelLMHead(model.lm_head, vocab_size, size)
+    model.lm_head = ParallelLMHead(model.lm_head, vocab_size, rank, size)
     model.config = replace(model.config, vocab_size=vocab_size)   # token ids stay whole-vocab
     return model
