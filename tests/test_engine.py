@@ -25,6 +25,7 @@ from petite_llm.engine.paging import kv_bytes_per_block
 from petite_llm.model.sampling_params import SamplingParams
 from petite_llm.engine.scheduler import SchedulerStats
 from petite_llm.model.weights import load_model
+from host_reads import HostReads
 
 VOCAB, EOS = 300, 2
 
@@ -803,6 +804,32 @@ def test_async_seeded_samples_and_the_unsafe_case_f64(f64):
     sps[3] = replace(sps[3], repetition_penalty=1.3)       # not safe to overlap
     assert _ids(on.generate(prompts, sps, use_tqdm=False)) == \
         _ids(off.generate(prompts, sps, use_tqdm=False))
+
+
+def test_launch_reads_nothing_back_whatever_the_request_asks(f64):
+    """Greedy, Qwen3's own sampling, seeded samples, min_tokens and logprobs: no step's launch
+    reads a tensor back (on a CPU, .tolist() cannot be seen; .item(), masks and the rest can)."""
+    path, _ = f64
+    llm = LLM(path, block_size=4, kv_cache_memory=_pool(path, 64, 4), async_scheduling=True)
+    runner, reads = llm.engine.runner, []
+    launch = runner.launch
+
+    def recording(scheduled, prev=None):
+        with HostReads() as mode:
+            step = launch(scheduled, prev)
+        reads.append(mode.found)
+        return step
+    runner.launch = recording
+    qwen3 = SamplingParams(temperature=0.6, top_k=20, top_p=0.95, max_tokens=5)
+    # the shared generator of unseeded rows is seeded once, from torch's own (a CPU draw)
+    llm.generate([[1, 2, 3]], qwen3, use_tqdm=False)
+    for params in [SamplingParams(temperature=0, max_tokens=5), qwen3,
+                   SamplingParams(temperature=0.8, seed=3, n=2, max_tokens=5),
+                   SamplingParams(temperature=0.7, min_tokens=3, max_tokens=5),
+                   SamplingParams(temperature=0.7, logprobs=2, max_tokens=5)]:
+        reads.clear()
+        llm.generate([[1, 2, 3], [4, 5, 6, 7, 8]], params, use_tqdm=False)
+        assert len(reads) >= 5 and all(found == [] for found in reads), (params, reads)
 
 
 def test_async_logprobs_overlap_and_match_serial_steps(f64):

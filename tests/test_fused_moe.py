@@ -23,7 +23,6 @@ from dataclasses import replace
 
 import pytest
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from petite_llm import LLM
 from petite_llm.engine import triton_backend
@@ -32,6 +31,7 @@ from petite_llm.engine.fused_moe import (fused_experts, moe_align_block_size, ti
 from petite_llm.engine.loading import get_attention_backend
 from petite_llm.model.moe import EXPERTS_KERNELS, Experts, experts_kernel, route
 from petite_llm.model.quantization import Int8Experts
+from host_reads import HostReads
 from test_moe import VOCAB, _engine_tokens, _pool, checkpoints  # noqa: F401 (a fixture)
 from test_parity import hf_greedy, prompts
 
@@ -111,30 +111,12 @@ def test_align_sizes_follow_from_shapes_alone(shape):
         assert real[0].numel() >= numel + min(num_experts, numel) * (block_m - 1)
 
 
-# ops whose result (or its size) needs the values on the host: on a GPU each waits for it
-HOST_READS = {'aten._local_scalar_dense', 'aten.nonzero', 'aten.masked_select', 'aten.unique',
-              'aten._unique2', 'aten.unique_dim', 'aten.unique_consecutive', 'aten.bincount',
-              'aten.repeat_interleave'}
-
-
-class HostReads(TorchDispatchMode):
-    "Records the ops of HOST_READS that run inside it."
-    def __init__(self):
-        super().__init__()
-        self.found = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if str(func.overloadpacket) in HOST_READS:
-            self.found.append(str(func.overloadpacket))
-        return func(*args, **(kwargs or {}))
-
-
 def _refuse(*args):
     raise AssertionError("read back to the host")
 
 
 def test_fused_experts_reads_nothing_back(monkeypatch):
-    "No .item(), .tolist() or op of HOST_READS; the reference's bincount().tolist() is caught."
+    "No .item(), .tolist() or op of HostReads; the reference's bincount().tolist() is caught."
     stack, x, weights, chosen = random_case(16, 4, 20, 32, 16, torch.float32)
     with torch.no_grad():
         ref = stack(x, weights, chosen)

@@ -5,7 +5,6 @@ from dataclasses import replace
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 from transformers.generation.logits_process import (
     MinPLogitsWarper, RepetitionPenaltyLogitsProcessor, TemperatureLogitsWarper, TopKLogitsWarper,
     TopPLogitsWarper)
@@ -14,6 +13,7 @@ from petite_llm.model.sampling import (Sampler, apply_min_p, apply_penalties,
                                        apply_repetition_penalty, apply_temperature, apply_top_k,
                                        apply_top_p, seed_for, token_counts)
 from petite_llm.model.sampling_params import SamplingParams
+from host_reads import HostReads
 
 
 def _logits(R=6, V=300, seed=0):
@@ -23,20 +23,6 @@ def _logits(R=6, V=300, seed=0):
     return x
 
 
-class HostReads(TorchDispatchMode):
-    "Records the ops that read a tensor's values on the host: on a GPU, each one waits for it."
-    READS = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.nonzero.default}
-
-    def __init__(self):
-        super().__init__()
-        self.reads = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func in self.READS:
-            self.reads.append(func.__name__)
-        return func(*args, **(kwargs or {}))
-
-
 def test_top_k_is_read_on_the_host_not_the_device():
     "Qwen3's own sampling (temperature 0.6, top_k 20, top_p 0.95): probs reads no tensor back."
     x = _logits()
@@ -44,11 +30,11 @@ def test_top_k_is_read_on_the_host_not_the_device():
     params = [qwen3, replace(qwen3, top_k=7), SamplingParams(temperature=0)] + [qwen3] * 3
     with HostReads() as mode:
         probs = Sampler().probs(x, params, [[1]] * 6, [[]] * 6)
-    assert mode.reads == []
+    assert mode.found == []
     assert (probs[0] > 0).sum() <= 20 and (probs[1] > 0).sum() <= 7
     with HostReads() as mode:                          # the standalone call, k_max not given
         apply_top_k(x, torch.full((6,), 20))
-    assert mode.reads == ['_local_scalar_dense.default']
+    assert mode.found == ['aten._local_scalar_dense']
 
 
 def test_logprobs_are_found_without_a_read_back():
@@ -58,7 +44,7 @@ def test_logprobs_are_found_without_a_read_back():
     tokens = torch.tensor([5, 9, 17, 250, 0, 3])                       # [R], as launch has them
     with HostReads() as mode:
         found = sampler.logprob_tensors(x, params, tokens)
-    assert mode.reads == [] and found[0] == [0, 2, 3, 5]
+    assert mode.found == [] and found[0] == [0, 2, 3, 5]
     dicts = Sampler.logprob_dicts(found, params, tokens.tolist())
     assert dicts == sampler.logprobs(x, params, tokens.tolist())
     assert [d is None for d in dicts] == [False, True, False] * 2
