@@ -5,9 +5,8 @@
 # %% ../../nbs/08_sampling.ipynb #67ce0301
 # petite_llm.model.sampling: from logits to the next token: penalties, warpers, seeded draws
 from __future__ import annotations
-import json
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass
 
 import torch
 
