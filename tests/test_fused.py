@@ -1,5 +1,5 @@
 """Chapter 13's fused decode path: qk_norm_rope_store against chapters 01, 02 and 11, silu_and_mul
-against chapter 04, fused_add_rms_norm without a residual, and the engine's fused body on the
+against chapter 04, fused_add_rms_norm without a residual, and the engine's fused layer ops on the
 `triton` backend against transformers (greedy tokens in float64) and in kernel launches.
 
 Without a GPU the kernels run in Triton's interpreter (tests/conftest.py switches it on before
@@ -22,7 +22,8 @@ from petite_llm.bench.host import launches_per_layer
 from petite_llm.engine.llm_engine import LLMEngine
 from petite_llm.engine.fused import (cos_sin_cache, fused_add_rms_norm, qk_norm_rope_store,
                                      silu_and_mul)
-from petite_llm.engine.triton_backend import FusedModelBody
+from petite_llm.engine.triton_backend import TritonAttentionBackend
+from petite_llm.model.qwen3 import LayerKernels
 from petite_llm.model.layers.norm import RMSNorm
 from petite_llm.model.layers.rope import RotaryEmbedding
 from petite_llm.model.sampling_params import SamplingParams
@@ -166,7 +167,7 @@ def test_fused_add_rms_norm_without_residual_only_normalises():
     assert residual.data_ptr() == x.data_ptr() and torch.equal(residual, x)
 
 
-# --- the fused body in the engine ---------------------------------------------------------------
+# --- the fused layer in the engine --------------------------------------------------------------
 
 BASE = dict(vocab_size=320, num_hidden_layers=2, rms_norm_eps=1e-6, max_position_embeddings=512,
             tie_word_embeddings=False)
@@ -188,15 +189,12 @@ def checkpoint(request, tmp_path_factory):
     return path, hf_model.to(torch.float64)
 
 
-def test_fused_body_gives_transformers_greedy_tokens(checkpoint):
-    "Prompts generated together (chunks beside decodes) on the triton backend, fused body: HF's."
+def test_fused_layer_gives_transformers_greedy_tokens(checkpoint):
+    "Prompts generated together (chunks beside decodes) on the triton backend's fused ops: HF's."
     path, hf_model = checkpoint
     engine = LLMEngine.from_pretrained(path, dtype=torch.float64, device=DEVICE,
                                        attention_backend='triton', block_size=4,
                                        kv_cache_memory=2**21, max_num_batched_tokens=16)
-    assert isinstance(engine.runner.body, FusedModelBody)
-    body = engine.runner.body
-    assert all(a is b for a, b in zip(body.parameters(), engine.runner.model.model.parameters()))
     batch = prompts(BASE['vocab_size'], [1, 5, 23], seed=1)
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
     ids = [engine.add_request(p, params) for p in batch]
@@ -206,21 +204,45 @@ def test_fused_body_gives_transformers_greedy_tokens(checkpoint):
     ours = [done[i].token_ids for i in ids]
     assert ours == [hf_greedy(hf_model, p, 10) for p in batch]
     assert len({t for tokens in ours for t in tokens}) > 5     # varied tokens, not one repeated
+    # the layers share one RoPE, so the backend made one table for the whole model
+    rotary = engine.runner.model.model.layers[0].self_attn.rotary_emb
+    assert list(engine.runner.backend.rope_tables) == [(rotary, torch.float64)]
 
 
-def test_fused_body_without_metadata_is_model_model(checkpoint):
-    "The reference path (no paged metadata) falls back to chapter 05's body, value for value."
+class UnfusedTriton(TritonAttentionBackend):
+    "The triton backend's attention under chapter 05's torch operations."
+    add_rms_norm = LayerKernels.add_rms_norm
+    attention = LayerKernels.attention
+    silu_and_mul = LayerKernels.silu_and_mul
+
+
+def test_fused_ops_give_the_torch_ops_hidden_states_and_pool(checkpoint):
+    "One forward, two sets of operations: a prefill chunk and a decode agree, and so do the pools."
     path, _ = checkpoint
     engine = LLMEngine.from_pretrained(path, dtype=torch.float64, device=DEVICE,
-                                       attention_backend='triton', kv_cache_memory=2**21)
-    ids = torch.tensor([3, 14, 15, 92, 65], device=DEVICE)
-    positions = torch.arange(5, device=DEVICE)
-    with torch.no_grad():
-        assert torch.equal(engine.runner.body(ids, positions),
-                           engine.runner.model.model(ids, positions))
+                                       attention_backend='triton', block_size=4,
+                                       kv_cache_memory=2**21)
+    runner, tokens = engine.runner, torch.tensor([3, 14, 15, 92, 65, 35], device=DEVICE)
+
+    @torch.inference_mode()
+    def prefill_then_decode(backend):
+        for cache in runner.kv_caches:
+            for pool in cache:
+                pool.zero_()
+        hidden = []
+        for computed, new in ((0, 5), (5, 1)):
+            md = backend.build_metadata([[0, 1]], [computed], [new], 4, DEVICE)
+            hidden.append(runner.forward(tokens[computed:computed + new], md.positions, md))
+        return torch.cat(hidden), torch.stack([p.clone() for c in runner.kv_caches for p in c])
+
+    fused, unfused = prefill_then_decode(runner.backend), prefill_then_decode(UnfusedTriton())
+    for f, u in zip(fused, unfused):
+        # the fused norms take their float32 statistics in another order than torch's
+        assert ((f - u).abs().max() / u.abs().max()).item() < 1e-6
+        assert not torch.equal(u, torch.zeros_like(u))
 
 
-def test_fused_body_launches_at_most_10_kernels_per_layer():
+def test_fused_layer_launches_at_most_10_kernels_per_layer():
     "Chapter 13's goal, counted as chapter 18 counts it: 9 with unified attention."
     figures = launches_per_layer((1, 2), ('triton',), device=DEVICE)['triton']
     assert figures['per_layer'] == 9

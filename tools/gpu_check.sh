@@ -4,7 +4,7 @@
 # first Triton compiles dominate, ~3 for the figures), so that 15 minutes of GPU time leave room
 # to fix something and run it once more. Carries .whl/ from `make gpu-wheels` (~18 MB), like
 # tools/gpu_session.sh; no network, no model download.
-#   1. pytest on CUDA: Triton kernels, fused body, CUDA graphs, async scheduling, batch invariance
+#   1. pytest on CUDA: Triton kernels, fused layer, CUDA graphs, async scheduling, batch invariance
 #      (tests/test_kernels.py, test_fused.py, test_cuda_graphs.py, test_batch_invariant.py, then
 #      test_engine.py -k async, test_fused_moe.py), at most 5 minutes 15 s
 #   2. tools/gpu_check.py: Qwen3-0.6B and Qwen3-8B shapes with random bfloat16 weights made on the
@@ -38,7 +38,7 @@ else
               triton.__version__, torch.cuda.get_device_name())' || exit 1
   timeout 210 python3 -m pytest -q -m "not slow" tests/test_kernels.py tests/test_fused.py \
     tests/test_cuda_graphs.py tests/test_batch_invariant.py 2>&1 | tee "$OUT/pytest.log"
-  note "pytest on CUDA: kernels, fused body, CUDA graphs, batch invariance" "${PIPESTATUS[0]}"
+  note "pytest on CUDA: kernels, fused layer, CUDA graphs, batch invariance" "${PIPESTATUS[0]}"
   timeout 45 python3 -m pytest -q -m "not slow" tests/test_engine.py -k async 2>&1 |
     tee -a "$OUT/pytest.log"
   note "pytest on CUDA: async scheduling" "${PIPESTATUS[0]}"

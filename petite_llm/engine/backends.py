@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from .paging import cdiv
+from ..model.qwen3 import LayerKernels
 
 # %% ../../nbs/11_paged_blocks.ipynb #6b2cb4f7
 @dataclass
@@ -85,10 +86,10 @@ class AttentionMetadata:
                    backend=backend)
 
 # %% ../../nbs/11_paged_blocks.ipynb #c97e8c1d
-class AttentionBackend:
-    "What every attention backend provides: this step's metadata, then attention over the pool."
+class AttentionBackend(LayerKernels):
+    "What every attention backend provides: this step's metadata, then the layers' kernels."
     name = 'base'
-    supports_cuda_graphs = False      # whether forward can be captured in a CUDA graph
+    supports_cuda_graphs = False      # whether a step on it can be captured in a CUDA graph
     batch_invariant = False           # whether a row's result never depends on the batch (ch. 21)
 
     def build_metadata(self, block_tables: list[list[int]], num_computed_tokens: list[int],
@@ -97,15 +98,6 @@ class AttentionBackend:
         "This step's AttentionMetadata, with this backend as the one the layers call."
         return AttentionMetadata.build(block_tables, num_computed_tokens, num_new_tokens,
                                        block_size, device, self)
-
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache,
-                md: AttentionMetadata, scale: float) -> torch.Tensor:
-        "q [T, nh, hd], k/v [T, nkv, hd] -> [T, nh, hd]: store k and v in their slots, then attend."
-        raise NotImplementedError
-
-    def model_body(self, model: torch.nn.Module) -> torch.nn.Module:
-        "The module the runner calls for hidden states: model.model, unless a backend fuses it."
-        return model.model
 
 # %% ../../nbs/11_paged_blocks.ipynb #87633e33
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -55,8 +55,6 @@ class ModelRunner:
         self.compiled = compiled          # the model under torch.compile (CPU), or None
         self.speculator = speculator      # chapter 16's Speculator, for steps that verify drafts
         self.cuda_graphs: CUDAGraphs | None = None    # recorded by capture_cuda_graphs
-        # what forward calls: model.model, or a backend's fused body sharing its parameters
-        self.body = self.backend.model_body(model)
         self.workers = workers            # chapter 20: the other ranks, sent each step's inputs
 
     def step_inputs(self, scheduled: SchedulerOutput) -> tuple:
@@ -89,7 +87,7 @@ class ModelRunner:
         try:
             if self.compiled is not None:
                 return run_compiled(self.compiled, input_ids, positions, attn_metadata)
-            return self.body(input_ids, positions, attn_metadata)
+            return self.model.model(input_ids, positions, attn_metadata)
         finally:
             for layer in self.attn_layers:
                 layer.kv_cache = None
@@ -339,6 +337,8 @@ class CUDAGraphs:
         return hidden[:num_seqs]
 
 # %% ../../nbs/15_engine_performance.ipynb #bdcd5818
+from ..model.qwen3 import LayerKernels
+
 # the metadata of the step a compiled model is running, for its attention op to read
 _step_metadata: ContextVar[AttentionMetadata] = ContextVar('petite_llm_step_metadata')
 
@@ -353,8 +353,8 @@ def step_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: t
 def _(q, k, v, k_cache, v_cache, scale):                    # the output's shape, for tracing
     return torch.empty_like(q)
 
-class OpaqueAttention:
-    "The attn_metadata a compiled model sees: a backend whose forward is step_attention."
+class OpaqueAttention(LayerKernels):
+    "The attn_metadata a compiled model sees: torch's layer ops, and forward is step_attention."
     @property
     def backend(self):
         return self

@@ -11,6 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .qwen3 import LayerKernels
+
 # %% auto #0
 __all__ = ['kv_bytes_per_token', 'contiguous_cache_bytes', 'allocate_contiguous_cache', 'ContiguousAttentionBackend',
            'ContiguousCacheMetadata', 'generate_cached', 'time_decode_step']
@@ -40,10 +42,9 @@ def allocate_contiguous_cache(model, max_batch: int, max_len: int, dtype=None,
     return caches
 
 # %% ../../nbs/10_kv_cache.ipynb #8a67d629
-class ContiguousAttentionBackend:
+class ContiguousAttentionBackend(LayerKernels):
     "Contiguous-cache attention: store the new K/V, then attend each sequence to its cache row."
-    @staticmethod
-    def forward(q: Tensor, k: Tensor, v: Tensor, kv_cache: tuple[Tensor, Tensor],
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, kv_cache: tuple[Tensor, Tensor],
                 md: ContiguousCacheMetadata, scale: float) -> Tensor:
         "q [T, nh, hd], k/v [T, nkv, hd] of the new tokens -> [T, nh, hd]; stores k, v first."
         k_cache, v_cache = kv_cache                           # [max_batch, max_len, nkv, hd]
@@ -76,7 +77,7 @@ class ContiguousCacheMetadata:
     cache_rows: list[int]         # [B] the cache row each sequence owns
     query_start_loc: list[int]    # [B+1] sequence b's new tokens: q[query_start_loc[b]:[b+1]]
     context_lens: list[int]       # [B] tokens cached for each sequence once this step's are in
-    backend: type = ContiguousAttentionBackend
+    backend: LayerKernels = ContiguousAttentionBackend()     # holds no state: one for all
 
     @classmethod
     def build(cls, cache_rows: list[int], num_computed_tokens: list[int],

@@ -135,12 +135,13 @@ class SparseMoeBlock(nn.Module):
         # on a tensor-parallel rank (chapter 20): the all-reduce that adds the ranks' partial sums
         self.reduce = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:                    # [T, H] -> [T, H]
+    def forward(self, x: torch.Tensor, attn_metadata=None) -> torch.Tensor:   # [T, H] -> [T, H]
         "The routed experts' weighted sum, plus the gated shared expert if there is one."
         weights, experts = route(self.gate(x), self.top_k, self.norm_topk_prob)   # [T, k] each
         out = EXPERTS_KERNELS[self.experts_kernel].run(self.experts, x, weights, experts)
         if self.shared_expert is not None:
-            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+            shared = self.shared_expert(x, attn_metadata)                       # [T, H]
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * shared
         return out if self.reduce is None else self.reduce(out)
 
     def extra_repr(self):

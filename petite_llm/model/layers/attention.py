@@ -29,7 +29,8 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 # %% ../../../nbs/03_attention.ipynb #b042ce81
 class Attention(nn.Module):
     "Qwen3/Qwen2/Llama self-attention: fused qkv, optional QK-norm, RoPE, GQA, pluggable backend."
-    def __init__(self, config: ModelConfig, layer_idx: int = 0):
+    def __init__(self, config: ModelConfig, layer_idx: int = 0,
+                 rotary_emb: nn.Module | None = None):
         super().__init__()
         self.layer_idx = layer_idx
         self.num_heads = config.num_attention_heads
@@ -45,23 +46,32 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(config.head_dim, eps=config.rms_norm_eps)
             self.k_norm = RMSNorm(config.head_dim, eps=config.rms_norm_eps)
         self.qk_norm = config.qk_norm
-        self.rotary_emb = rotary_embedding(config.head_dim, config.rope_theta,
-                                           config.max_position_embeddings, config.rope_scaling)
+        # every layer rotates by the same angles: a model passes one RoPE to all (chapter 05)
+        if rotary_emb is None:
+            rotary_emb = rotary_embedding(config.head_dim, config.rope_theta,
+                                          config.max_position_embeddings, config.rope_scaling)
+        self.rotary_emb = rotary_emb
         self.kv_cache = None                               # (k_cache, v_cache), set by the engine
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
-                attn_metadata=None) -> torch.Tensor:
-        "Attend over a flat batch: positions [T], hidden [T, hidden_size] -> [T, hidden_size]."
-        T = hidden.shape[0]
-        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+    def qk_norm_rope(self, positions: torch.Tensor, qkv: torch.Tensor):
+        "qkv [T, q_size + 2 kv_size] -> q [T, n_heads, D], k, v [T, n_kv_heads, D], normed, rotated."
+        T = qkv.shape[0]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(T, self.num_heads, self.head_dim)       # [T, n_heads, D]
         k = k.view(T, self.num_kv_heads, self.head_dim)    # [T, n_kv_heads, D]
         v = v.view(T, self.num_kv_heads, self.head_dim)
         if self.qk_norm:                                   # per head, before RoPE
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary_emb(positions, q, k)
-        if attn_metadata is None:
-            out = causal_attention(q, k, v, self.scaling)
-        else:
-            out = attn_metadata.backend.forward(q, k, v, self.kv_cache, attn_metadata, self.scaling)
-        return self.o_proj(out.reshape(T, self.q_size))    # [T, hidden]
+        return q, k, v
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
+                attn_metadata=None) -> torch.Tensor:
+        "Attend over a flat batch: positions [T], hidden [T, hidden_size] -> [T, hidden_size]."
+        qkv = self.qkv_proj(hidden)                        # [T, q_size + 2 kv_size]
+        if attn_metadata is None:                          # one sequence, no cache
+            out = causal_attention(*self.qk_norm_rope(positions, qkv), self.scaling)
+        else:                                              # the backend's: cache, kernels
+            out = attn_metadata.backend.attention(self, positions, qkv, attn_metadata)
+        return self.o_proj(out.reshape(-1, self.q_size))   # [T, hidden]
+
