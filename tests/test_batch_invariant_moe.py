@@ -18,7 +18,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from petite_llm import LLM, SamplingParams
 # the modules that register the invariant experts kernels: the torch backend's, the triton one's
-from petite_llm.engine import batch_invariant, fused_moe  # noqa: F401
+from petite_llm.engine import batch_invariant, triton_backend  # noqa: F401
 from petite_llm.model.moe import EXPERTS_KERNELS, SparseMoeBlock
 from test_moe import VOCAB, _engine_tokens, _pool, checkpoints  # noqa: F401 (a fixture)
 from test_parity import hf_greedy, prompts

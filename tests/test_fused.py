@@ -20,9 +20,8 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from petite_llm.engine.backends import store_kv
 from petite_llm.bench.host import launches_per_layer
 from petite_llm.engine.llm_engine import LLMEngine
-from petite_llm.engine.fused import (cos_sin_cache, fused_add_rms_norm, qk_norm_rope_store,
-                                     silu_and_mul)
-from petite_llm.engine.triton_backend import TritonAttentionBackend
+from petite_llm.kernels.fused import fused_add_rms_norm, qk_norm_rope_store, silu_and_mul
+from petite_llm.engine.triton_backend import TritonAttentionBackend, cos_sin_cache
 from petite_llm.model.qwen3 import LayerKernels
 from petite_llm.model.layers.norm import RMSNorm
 from petite_llm.model.layers.rope import RotaryEmbedding

@@ -27,8 +27,8 @@ from torch import nn
 from petite_llm import LLM
 # the registry's entries are registered by the modules that define them: chapter 21's too
 from petite_llm.engine import batch_invariant, triton_backend  # noqa: F401
-from petite_llm.engine.fused_moe import (fused_experts, moe_align_block_size, tile_height,
-                                         topk_sum)
+from petite_llm.engine.triton_backend import fused_stack
+from petite_llm.kernels.fused_moe import moe_align_block_size, tile_height, topk_sum
 from petite_llm.engine.loading import get_attention_backend
 from petite_llm.model.moe import EXPERTS_KERNELS, Experts, experts_kernel, route
 from petite_llm.model.quantization import Int8Experts
@@ -93,7 +93,7 @@ def test_fused_experts_equals_the_reference(shape, dtype, invariant):
     stack, x, weights, chosen = random_case(*shape, dtype)
     with torch.no_grad():
         ref = stack(x, weights, chosen)                             # [T, H]
-        out = fused_experts(stack, x, weights, chosen, invariant)
+        out = fused_stack(stack, x, weights, chosen, invariant)
     assert out.shape == ref.shape and out.dtype == ref.dtype
     err = (out - ref).abs().max().item()
     assert err <= TOL[dtype] * ref.abs().max().item(), err
@@ -124,7 +124,7 @@ def test_fused_experts_reads_nothing_back(monkeypatch):
         monkeypatch.setattr(torch.Tensor, 'tolist', _refuse)
         monkeypatch.setattr(torch.Tensor, 'item', _refuse)
         with HostReads() as reads:
-            out = fused_experts(stack, x, weights, chosen)
+            out = fused_stack(stack, x, weights, chosen)
         assert reads.found == []
         with HostReads() as reads, pytest.raises(AssertionError, match='host'):
             stack(x, weights, chosen)

@@ -17,7 +17,7 @@ import triton.language as tl
 
 from petite_llm.model.config import ModelConfig
 from petite_llm.engine.llm_engine import LLMEngine
-from petite_llm.engine.kernel_compile import (EVERY_VARIANT, GPU_TARGETS, compile_for_gpus,
+from petite_llm.kernels.gpu_compile import (EVERY_VARIANT, GPU_TARGETS, compile_for_gpus,
                                               compile_report, record_launches)
 from petite_llm.model.qwen3 import Qwen3ForCausalLM
 from petite_llm.engine.paging import kv_bytes_per_block

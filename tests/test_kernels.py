@@ -25,9 +25,9 @@ from petite_llm.engine.backends import TorchAttentionBackend, store_kv
 from petite_llm.model.config import ModelConfig
 from petite_llm.engine.llm_engine import LLMEngine
 import petite_llm.engine.triton_backend as triton_backend_module
-from petite_llm.engine.attention_kernels import (num_kv_splits, split_kv_attention,
-                                                 triton_store_kv, unified_attention)
-from petite_llm.engine.fused import fused_add_rms_norm
+from petite_llm.kernels.attention import (num_kv_splits, split_kv_attention, triton_store_kv,
+                                          unified_attention)
+from petite_llm.kernels.fused import fused_add_rms_norm
 from petite_llm.engine.triton_backend import TritonAttentionBackend
 from petite_llm.model.layers.norm import RMSNorm
 from petite_llm.engine.paging import cdiv, kv_bytes_per_block
@@ -80,13 +80,18 @@ def graph_batch(contexts, num_padding, block_size, num_heads, num_kv_heads, head
     return batch
 
 
+def paged(md):
+    "What the paged kernels read of a step's metadata: its tensors and the longest query."
+    return md.query_start_loc, md.context_lens, md.block_tables, md.max_query_len
+
+
 def store_and_attend(q, k, v, kv_cache, md, num_splits=1):
     "What the backend does, with the split chosen: store k and v, then attend."
     triton_store_kv(k, v, *kv_cache, md.slot_mapping)
     scale = q.shape[-1] ** -0.5
     if num_splits == 1:
-        return unified_attention(q, *kv_cache, md, scale)
-    return split_kv_attention(q, *kv_cache, md, scale, num_splits)
+        return unified_attention(q, *kv_cache, *paged(md), scale)
+    return split_kv_attention(q, *kv_cache, *paged(md), scale, num_splits)
 
 
 @st.composite
@@ -139,7 +144,7 @@ def test_unified_attention_matches_reference(seqs, heads, head_dim, block_size, 
                                          head_dim, dtype)
     ref = reference(q, k, v, kv_cache, md)
     triton_store_kv(k, v, *kv_cache, md.slot_mapping)
-    out = unified_attention(q, *kv_cache, md, head_dim ** -0.5, tile_k=tile_k)
+    out = unified_attention(q, *kv_cache, *paged(md), head_dim ** -0.5, tile_k=tile_k)
     torch.testing.assert_close(out, ref, atol=TOL[dtype], rtol=TOL[dtype])
 
 
@@ -154,8 +159,8 @@ def test_split_kv_equals_unsplit(seqs, heads, head_dim, block_size, num_splits, 
                                          head_dim, torch.float32)
     triton_store_kv(k, v, *kv_cache, md.slot_mapping)
     scale = head_dim ** -0.5
-    unsplit = unified_attention(q, *kv_cache, md, scale, tile_k=tile_k)
-    split = split_kv_attention(q, *kv_cache, md, scale, num_splits, tile_k=tile_k)
+    unsplit = unified_attention(q, *kv_cache, *paged(md), scale, tile_k=tile_k)
+    split = split_kv_attention(q, *kv_cache, *paged(md), scale, num_splits, tile_k=tile_k)
     torch.testing.assert_close(split, unsplit, atol=1e-6, rtol=1e-6)
 
 

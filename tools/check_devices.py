@@ -41,10 +41,10 @@ from nbtools import chapters, directives, read_nb, skipped_by, source, split_dir
 
 MARKER = re.compile(r'#\s*stays on the CPU:\s*\S')
 _IMPORTS_TRITON = re.compile(r'^\s*(import triton|from triton|'
-                             r'from petite_llm\.engine\.(attention_kernels|fused|triton_backend)|'
-                             r'import petite_llm\.engine\.(attention_kernels|fused|triton_backend)|'
-                             r'from petite_llm\.engine import (attention_kernels|fused|'
-                             r'triton_backend))', re.M)
+                             r'from petite_llm\.(kernels|engine\.triton_backend)\b|'
+                             r'import petite_llm\.(kernels|engine\.triton_backend)\b|'
+                             r'from petite_llm import kernels|'
+                             r'from petite_llm\.engine import triton_backend)', re.M)
 
 
 def _is_resolver(node: ast.AST) -> bool:

@@ -27,16 +27,19 @@ DEFAULT_EXP = re.compile(r'^#\|\s*default_exp\s+([\w.]+)\s*$', re.M)
 MODULE_DOC = re.compile(r'^# petite_llm\.([\w.]+): (.+)$', re.M)
 # each subpackage's docstring after "The model (chapters ...): ", the chapters read from the notebooks
 # that export into it: what lives there, and which parts it may import (one way: cli -> bench ->
-# serve -> engine and parallel -> model; tools/import_graph.py checks it)
+# serve -> engine and parallel -> model -> kernels; tools/import_graph.py checks it)
 PACKAGES = {
+    'kernels': ("The Triton kernels", "paged attention, the fused layer ops, the fused experts and "
+                "their ahead-of-time compile check, each a function of tensors and ints. Imports no "
+                "other part."),
     'model': ("The model", "config, layers, Qwen3 and its mixture of experts, weights, "
               "quantization, tokenizer, sampling, generation without an engine (the loop, then "
               "with a contiguous KV cache), and what this CPU computes. Imports no other part."),
     'model.layers': ("The decoder's layers", "RMSNorm, RoPE, attention, the MLP and the linear "
                      "layers they share."),
-    'engine': ("The engine", "the paged KV pool, scheduler, attention backends and Triton kernels, "
-               "the model runner, LLMEngine and LLM, speculative decoding, batch invariance, "
-               "structured outputs and the fused experts. Imports model, and parallel for "
+    'engine': ("The engine", "the paged KV pool, scheduler, attention backends (the triton one on "
+               "the kernels), the model runner, LLMEngine and LLM, speculative decoding, batch "
+               "invariance and structured outputs. Imports model and kernels, and parallel for "
                "tensor-parallel workers."),
     'parallel': ("Tensor parallelism", "sharding, row-parallel layers, collectives and worker "
                  "processes. Imports model and engine."),

@@ -4,8 +4,9 @@ functions longer than a reader can hold at once, and any class not written once,
 its body: a @patch or `Class.attr = ...` outside it, a method defined twice in it, an object's
 class swapped.
 
-The parts import one way, lowest first (LEVELS): model, then engine and parallel (which may import
-each other), serve, bench, cli; the package's own __init__ may import any of them.
+The parts import one way, lowest first (LEVELS): kernels (tensors and ints in, nothing else of
+the package), model, then engine and parallel (which may import each other), serve, bench, cli;
+the package's own __init__ may import any of them.
 `python tools/import_graph.py [PACKAGE_DIR]` prints all of it and exits 1 on an arrow against the
 direction, a circle, a module without a docstring, one that is too long or a redefinition;
 tests/test_imports.py asserts the same.
@@ -21,7 +22,7 @@ PKG = Path(__file__).resolve().parent.parent / 'petite_llm'
 GENERATED = {'_modidx'}          # nbdev's index of symbols, not code a reader reads
 MAX_MODULE_LINES, MAX_FUNCTION_LINES = 450, 60
 # the parts of the package, lowest first: a module imports from its own level and those below
-LEVELS = [('model',), ('engine', 'parallel'), ('serve',), ('bench',), ('cli',)]
+LEVELS = [('kernels',), ('model',), ('engine', 'parallel'), ('serve',), ('bench',), ('cli',)]
 TOP = '__init__'                 # petite_llm/__init__.py: the public API, above every part
 
 

@@ -5,10 +5,10 @@
 from __future__ import annotations
 
 # %% auto 0
-__all__ = ['fused_add_rms_norm', 'cos_sin_cache', 'qk_norm_rope_store', 'silu_and_mul']
+__all__ = ['fused_add_rms_norm', 'qk_norm_rope_store', 'silu_and_mul']
 
 # %% ../../nbs/13_triton_kernels.ipynb #5a03586a
-# petite_llm.engine.fused: a layer's other fused kernels: add + RMSNorm, QK-norm + RoPE, SiLU*up
+# petite_llm.kernels.fused: a layer's other fused kernels: add + RMSNorm, QK-norm + RoPE, SiLU*up
 import torch
 import triton
 import triton.language as tl
@@ -47,16 +47,6 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: t
         HIDDEN=hidden_size, BLOCK=triton.next_power_of_2(hidden_size),
         HAS_RESIDUAL=residual is not None)
     return out.view(x.shape), residual_out.view(x.shape)
-
-# %% ../../nbs/13_triton_kernels.ipynb #e1a0b002
-from ..model.layers.rope import RotaryEmbedding
-
-def cos_sin_cache(rotary: RotaryEmbedding, dtype: torch.dtype) -> torch.Tensor:
-    "RoPE's table for every position: [max_position, head_dim], cos of each angle, then its sin."
-    positions = torch.arange(rotary.max_position, device=rotary.inv_freq.device)
-    cos, sin = rotary.cos_sin(positions, dtype)           # each [max_position, head_dim]
-    half = rotary.head_dim // 2                           # both halves hold the same angles
-    return torch.cat((cos[:, :half], sin[:, :half]), dim=-1)
 
 # %% ../../nbs/13_triton_kernels.ipynb #e1a0c003
 @triton.jit

@@ -8,7 +8,7 @@ from __future__ import annotations
 __all__ = ['GPU_TARGETS', 'EVERY_VARIANT', 'GpuTarget', 'launch_variant', 'record_launches', 'compile_variant', 'compile_worker', 'variant_name', 'compile_for_gpus', 'compile_report']
 
 # %% ../../nbs/13_triton_kernels.ipynb #c0a70001
-# petite_llm.engine.kernel_compile: Triton launches recorded and compiled for readers' GPUs
+# petite_llm.kernels.gpu_compile: Triton launches recorded and compiled for readers' GPUs
 import contextlib
 import importlib
 import json
@@ -143,8 +143,8 @@ def compile_worker(jobs_file: str):
               flush=True)
 
 # what each worker runs: compile_worker on the file of jobs named by its first argument
-_WORKER = ('import sys; from petite_llm.engine import kernel_compile; '
-           'kernel_compile.compile_worker(sys.argv[1])')
+_WORKER = ('import sys; from petite_llm.kernels import gpu_compile; '
+           'gpu_compile.compile_worker(sys.argv[1])')
 
 def _run_workers(jobs: list, processes: int) -> list:
     "Results of the jobs, compiled by fresh Pythons without the interpreter, in the jobs' order."

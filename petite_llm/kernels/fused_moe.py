@@ -8,15 +8,12 @@ from __future__ import annotations
 __all__ = ['moe_align_block_size', 'grouped_gemm', 'topk_sum', 'tile_height', 'fused_experts']
 
 # %% ../../nbs/23_moe.ipynb #a7f0e102
-# petite_llm.engine.fused_moe: the fused-MoE fast path: tokens sorted by expert, grouped GEMMs
+# petite_llm.kernels.fused_moe: the fused-MoE fast path: tokens sorted by expert, grouped GEMMs
 import torch
 import triton
 import triton.language as tl
 
-from functools import partial
-
 from .fused import silu_and_mul
-from ..model.moe import EXPERTS_KERNELS, Experts, ExpertsKernel
 
 def moe_align_block_size(experts: torch.Tensor, block_m: int,
                          num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -119,21 +116,16 @@ def tile_height(num_experts: int, num_assignments: int, invariant: bool = False)
         return 64
     return 16 if num_assignments <= 4 * num_experts else 64
 
-def fused_experts(stack: Experts, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
+def fused_experts(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
+                  weights: torch.Tensor, experts: torch.Tensor,
                   invariant: bool = False) -> torch.Tensor:
-    "Experts.forward in two grouped GEMMs: x [T, H], weights and expert ids [T, k] -> [T, H]."
-    (T, hidden), top_k = x.shape, experts.shape[1]
-    block_m = tile_height(stack.num_experts, T * top_k, invariant)
-    align = moe_align_block_size(experts, block_m, stack.num_experts)
-    gate_up = x.new_empty(T * top_k, 2 * stack.intermediate_size)  # [T·k, 2I]: row t·k + j
-    grouped_gemm(x, stack.gate_up_proj, gate_up, align, block_m, top_k)
+    "Experts [E, 2I, H] and [E, H, I] in two grouped GEMMs: x [T, H], weights, ids [T, k] -> [T, H]."
+    (T, hidden), top_k, num_experts = x.shape, experts.shape[1], gate_up_proj.shape[0]
+    block_m = tile_height(num_experts, T * top_k, invariant)
+    align = moe_align_block_size(experts, block_m, num_experts)
+    gate_up = x.new_empty(T * top_k, gate_up_proj.shape[1])       # [T·k, 2I]: row t·k + j
+    grouped_gemm(x, gate_up_proj, gate_up, align, block_m, top_k)
     down = x.new_empty(T * top_k, hidden)                          # [T·k, H], weighted
-    grouped_gemm(silu_and_mul(gate_up), stack.down_proj, down, align, block_m, 1,
+    grouped_gemm(silu_and_mul(gate_up), down_proj, down, align, block_m, 1,
                  weights.flatten().contiguous())
     return topk_sum(down.view(T, top_k, hidden))
-
-# the triton backend's engine runs them on float stacks; a CUDA graph holds either
-EXPERTS_KERNELS['fused'] = ExpertsKernel(fused_experts, (Experts,), 'triton', capturable=True)
-EXPERTS_KERNELS['fused_invariant'] = ExpertsKernel(partial(fused_experts, invariant=True),
-                                                   (Experts,), 'triton', capturable=True,
-                                                   invariant=True)
