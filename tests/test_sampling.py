@@ -66,6 +66,47 @@ def test_top_p_matches_transformers(p):
     assert torch.equal(ours, TopPLogitsWarper(p)(None, x.clone()))
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_top_p_after_top_k_sorts_k_and_keeps_what_transformers_keeps(seed):
+    "bfloat16 logits (ties common), some rows tied past the k-th: the k_max path = the full sort."
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(8, 3000, generator=g) * 3).to(torch.bfloat16).float()
+    ks = torch.randint(1, 40, (8,), generator=g)
+    ps = torch.rand(8, generator=g).clamp(0.05, 0.999)
+    order = x.argsort(-1, descending=True)
+    for r in range(0, 8, 2):                           # ties past the cut in every other row
+        k = int(ks[r])
+        x[r, order[r, k:k + 1 + r]] = x[r, order[r, k - 1]].item()
+    cut = apply_top_k(x, ks)
+    fast, full = apply_top_p(cut, ps, k_max=int(ks.max())), apply_top_p(cut, ps)
+    kept = (fast > -math.inf).sum(-1)
+    assert torch.equal(kept, (full > -math.inf).sum(-1))
+    # the same kept values (which of two equal logits goes first is the sort's choice)
+    assert torch.equal(fast.sort(-1).values, full.sort(-1).values)
+    assert not (fast > -math.inf)[cut == -math.inf].any()            # nothing top-k removed
+    for r in range(8):                                 # transformers keeps as many (ties: any)
+        hf = TopPLogitsWarper(float(ps[r]))(None, TopKLogitsWarper(int(ks[r]))(None, x[r:r + 1]))
+        assert int(kept[r]) == int((hf > -math.inf).sum())
+
+
+def test_sampler_sorts_no_vocabulary_for_top_k_and_top_p():
+    "Qwen3's defaults (top_k 20, top_p 0.95): no full sort; a row without top_k sorts it all."
+    logits = _logits(V=3000)
+    sorts = []
+    original = torch.Tensor.sort
+
+    def counted(self, *args, **kwargs):
+        sorts.append(self.shape[-1])
+        return original(self, *args, **kwargs)
+    qwen3 = SamplingParams(temperature=0.6, top_k=20, top_p=0.95, seed=1)
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(torch.Tensor, 'sort', counted)
+        Sampler()(logits, [qwen3] * 6, [[1]] * 6, [[]] * 6)
+        assert sorts == []
+        Sampler()(logits, [qwen3] * 5 + [replace(qwen3, top_k=0)], [[1]] * 6, [[]] * 6)
+        assert sorts == [3000]
+
+
 @pytest.mark.parametrize("m", [0.0, 0.01, 0.1, 0.5, 1.0])
 def test_min_p_matches_transformers(m):
     x = _logits()

@@ -12,7 +12,7 @@ import torch
 
 # %% auto #0
 __all__ = ['token_counts', 'apply_repetition_penalty', 'apply_penalties', 'apply_temperature', 'apply_top_k', 'apply_top_p',
-           'apply_min_p', 'seed_for', 'exponential_noise', 'draw', 'SamplerOutput', 'Sampler']
+           'top_p_after_top_k', 'apply_min_p', 'seed_for', 'exponential_noise', 'draw', 'SamplerOutput', 'Sampler']
 
 # %% ../../nbs/08_sampling.ipynb #5135a75e
 def token_counts(token_ids: list[list[int]], vocab_size: int, device=None) -> torch.Tensor:
@@ -55,13 +55,36 @@ def apply_top_k(logits: torch.Tensor, top_k: torch.Tensor, k_max: int | None = N
     return logits.masked_fill(logits < kth, -math.inf)
 
 # %% ../../nbs/08_sampling.ipynb #e380996a
-def apply_top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+def apply_top_p(logits: torch.Tensor, top_p: torch.Tensor, k_max: int | None = None
+                ) -> torch.Tensor:
     "Nucleus filter: keep the likeliest tokens whose probability adds up to top_p [R] (HF's rule)."
+    if k_max is not None and k_max < logits.shape[-1]:
+        return top_p_after_top_k(logits, top_p, k_max)
     sorted_logits, order = logits.sort(dim=-1)                     # ascending, [R, V]
     cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)             # [R, V]
     remove = cum <= (1 - top_p).unsqueeze(-1)
     remove[:, -1] = False                                          # the most likely token stays
     return logits.masked_fill(remove.scatter(-1, order, remove), -math.inf)
+
+# %% ../../nbs/08_sampling.ipynb #5216ae17
+def top_p_after_top_k(logits: torch.Tensor, top_p: torch.Tensor, k_max: int) -> torch.Tensor:
+    "apply_top_p on rows that top-k cut to at most k_max tokens and their ties: k_max sorted."
+    top, order = logits.topk(k_max, dim=-1)                        # descending, [R, k]
+    top, order = top.flip(-1), order.flip(-1)                      # ascending, as HF sorts
+    floor = top[:, :1]                                             # [R, 1] smallest kept
+    # tokens tied with the smallest that topk left out: first in the ascending order, by id
+    tied = (logits == floor) & (floor > -math.inf)                 # [R, V]
+    tied.scatter_(-1, order, False)
+    rank = tied.cumsum(dim=-1)                                     # [R, V] 1, 2, ... when tied
+    weights = (top - top[:, -1:]).exp()                            # [R, k] softmax's numerators
+    floor_weight = (floor - top[:, -1:]).exp()                     # [R, 1]
+    total = weights.sum(-1, keepdim=True) + rank[:, -1:] * floor_weight
+    cum = rank[:, -1:] * (floor_weight / total) + (weights / total).cumsum(dim=-1)   # [R, k]
+    threshold = (1 - top_p).unsqueeze(-1)                          # [R, 1]
+    remove = cum <= threshold
+    remove[:, -1] = False                                          # the most likely token stays
+    remove_tied = tied & (rank * (floor_weight / total) <= threshold)             # [R, V]
+    return logits.masked_fill(remove_tied.scatter(-1, order, remove), -math.inf)
 
 # %% ../../nbs/08_sampling.ipynb #ec3f4cfa
 def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
@@ -147,7 +170,10 @@ class Sampler:
             k_max = max(params[r].top_k for r in rows)      # on the host: no wait for the device
             x[rows] = apply_top_k(x[rows], _col(params, rows, 'top_k', dev, torch.long), k_max)
         if rows := _rows(params, lambda p: not p.greedy and p.top_p < 1.0):
-            x[rows] = apply_top_p(x[rows], _col(params, rows, 'top_p', dev))
+            # every such row cut by top-k first: only the k_max survivors are sorted
+            k_max = (max(params[r].top_k for r in rows)
+                     if all(params[r].top_k > 0 for r in rows) else None)
+            x[rows] = apply_top_p(x[rows], _col(params, rows, 'top_p', dev), k_max)
         if rows := _rows(params, lambda p: not p.greedy and p.min_p > 0):
             x[rows] = apply_min_p(x[rows], _col(params, rows, 'min_p', dev))
         greedy = _rows(params, lambda p: p.greedy)
