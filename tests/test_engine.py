@@ -790,8 +790,8 @@ def test_async_stops_at_random_points_f64(f64):
     assert on.stats.kv_blocks_used == 0
 
 
-def test_async_seeded_samples_and_the_unsafe_case_f64(f64):
-    "n > 1 seeded, min_tokens, and a penalty (run serially) in one batch: the tokens of async off."
+def test_async_seeded_samples_and_penalties_f64(f64):
+    "n > 1 seeded, min_tokens, then penalties (counted on the device) too: the tokens of async off."
     path, hf = f64
     off, on = _both(path, block_size=4, max_num_batched_tokens=64,
                     kv_cache_memory=_pool(path, 48, 4))
@@ -801,13 +801,31 @@ def test_async_seeded_samples_and_the_unsafe_case_f64(f64):
     want = off.generate(prompts, sps, use_tqdm=False)
     got = on.generate(prompts, sps, use_tqdm=False)
     assert _ids(got) == _ids(want) and on.stats.num_preemptions > 0
-    sps[3] = replace(sps[3], repetition_penalty=1.3)       # not safe to overlap
+    sps[3] = replace(sps[3], repetition_penalty=1.3)
+    sps[5] = replace(sps[5], presence_penalty=0.8, frequency_penalty=0.5)
+    sps[6] = replace(sps[6], temperature=0, repetition_penalty=1.2)    # greedy, penalized
+    calls = _runner_calls(on.engine)
     assert _ids(on.generate(prompts, sps, use_tqdm=False)) == \
         _ids(off.generate(prompts, sps, use_tqdm=False))
+    launched = [step for kind, step in calls if kind == 'launch']
+    assert calls[:3] == [('launch', launched[0]), ('launch', launched[1]),
+                         ('resolve', launched[0])]              # they overlap
+    assert all(step.output is None for step in launched)          # none sampled on the host
+
+
+def test_async_penalties_count_the_pending_token_f64(f64):
+    "Penalties that pay for repeating (each count adds): the token still on the device counts."
+    path, _ = f64
+    off, on = _both(path, block_size=4, kv_cache_memory=_pool(path, 64, 4))
+    prompts = _prompts(7)[:4]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True,
+                            frequency_penalty=-2.0, repetition_penalty=0.5)
+    want = [o.token_ids for o in off.generate(prompts, params, use_tqdm=False)]
+    assert [o.token_ids for o in on.generate(prompts, params, use_tqdm=False)] == want
 
 
 def test_launch_reads_nothing_back_whatever_the_request_asks(f64):
-    """Greedy, Qwen3's own sampling, seeded samples, min_tokens and logprobs: no step's launch
+    """Greedy, Qwen3's own sampling, seeded samples, min_tokens, logprobs, penalties: no launch
     reads a tensor back (on a CPU, .tolist() cannot be seen; .item(), masks and the rest can)."""
     path, _ = f64
     llm = LLM(path, block_size=4, kv_cache_memory=_pool(path, 64, 4), async_scheduling=True)
@@ -826,7 +844,9 @@ def test_launch_reads_nothing_back_whatever_the_request_asks(f64):
     for params in [SamplingParams(temperature=0, max_tokens=5), qwen3,
                    SamplingParams(temperature=0.8, seed=3, n=2, max_tokens=5),
                    SamplingParams(temperature=0.7, min_tokens=3, max_tokens=5),
-                   SamplingParams(temperature=0.7, logprobs=2, max_tokens=5)]:
+                   SamplingParams(temperature=0.7, logprobs=2, max_tokens=5),
+                   SamplingParams(temperature=0.7, repetition_penalty=1.2, presence_penalty=0.5,
+                                  max_tokens=5)]:
         reads.clear()
         llm.generate([[1, 2, 3], [4, 5, 6, 7, 8]], params, use_tqdm=False)
         assert len(reads) >= 5 and all(found == [] for found in reads), (params, reads)

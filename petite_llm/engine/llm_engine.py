@@ -257,7 +257,8 @@ class LLMEngine:
 
     def _can_overlap(self) -> bool:
         "Whether a step may launch before the host has the tokens of the one in flight."
-        # seeded draws and min_tokens read the output position, which counts the pending tokens
+        # seeded draws and min_tokens read the output position, which counts the pending tokens;
+        # penalties count the pending token on the device; a grammar needs it on the host
         return not any(seq.sampling_params.reads_tokens for seq in self.scheduler.seqs.values())
 
     @property

@@ -130,16 +130,15 @@ class ModelRunner:
             return StepInFlight(scheduled, seqs, logits,
                                 output=self.speculator.sample(scheduled, logits, self.sampler))
         params = [seq.sampling_params for seq in seqs]
-        # penalties and grammars read the tokens: none is pending (LLMEngine waits)
+        # a grammar reads the tokens on the host: none is pending then (LLMEngine waits)
         on_host = any(p.reads_tokens for p in params)
         # each one's output position: its tokens out and pending, less the one it samples now
         num_out = [seq.num_output_tokens + seq.num_pending - 1 for seq in seqs]
-        if not on_host and all(p.greedy and n >= p.min_tokens for p, n in zip(params, num_out)):
+        if not on_host and all(p.greedy and not p.penalized and n >= p.min_tokens
+                               for p, n in zip(params, num_out)):
             token_ids = logits.float().argmax(-1)                          # [S]
         else:
-            # without a penalty the sampler reads only len(output_ids): ranges of the right length
-            output_ids = ([seq.output_token_ids for seq in seqs] if on_host
-                          else [range(n) for n in num_out])
+            output_ids, pending_ids = self._output_ids(seqs, num_out, on_host, prev)
             allowed = logits
             if any(seq.grammar is not None for seq in seqs):
                 # chapter 22 (imported only when asked for): a constrained row keeps only the
@@ -147,7 +146,7 @@ class ModelRunner:
                 from petite_llm.engine.structured import mask_logits
                 allowed = mask_logits(logits, seqs)
             probs = self.sampler.probs(allowed, params, [seq.prompt_token_ids for seq in seqs],
-                                       output_ids, [seq.stop_ids for seq in seqs])
+                                       output_ids, [seq.stop_ids for seq in seqs], pending_ids)
             token_ids = self.sampler.sample(probs, params, output_ids)     # [S]
         if not on_host:
             # logprobs found on the device too, and read with the tokens in resolve
@@ -160,6 +159,24 @@ class ModelRunner:
         output = ModelRunnerOutput(seqs, [[t] for t in token_ids], [[lp] for lp in logprobs],
                                    logits, [0] * len(seqs))
         return StepInFlight(scheduled, seqs, logits, output=output)
+
+    def _output_ids(self, seqs: list[Sequence], num_out: list[int], on_host: bool,
+                    prev: StepInFlight | None) -> tuple[list, torch.Tensor | None]:
+        "What the sampler reads of each row's output: the tokens, or only how many; pending ones."
+        if on_host:                                   # a grammar: every token is on the host
+            return [seq.output_token_ids for seq in seqs], None
+        if not any(seq.sampling_params.penalized for seq in seqs):
+            return [range(n) for n in num_out], None  # len() is all the sampler reads
+        # penalties count the tokens: the host's, then a placeholder (-1) for the one prev
+        # sampled, whose value the sampler adds on the device
+        output_ids = [seq.output_token_ids + [-1] * (n - seq.num_output_tokens)
+                      for seq, n in zip(seqs, num_out)]
+        if prev is None or prev.token_ids is None:
+            return output_ids, None
+        row_of = prev.rows                            # seq_id -> its row in prev.token_ids
+        src = self._as_tensor([row_of[seq.seq_id] if n > seq.num_output_tokens else -1
+                               for seq, n in zip(seqs, num_out)])
+        return output_ids, torch.where(src >= 0, prev.token_ids[src.clamp(min=0)], -1)
 
     def _fill_pending(self, scheduled: SchedulerOutput, prev: StepInFlight | None):
         "input_ids' placeholders for tokens prev sampled, filled on the device; None if none."

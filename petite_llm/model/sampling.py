@@ -16,13 +16,14 @@ __all__ = ['token_counts', 'apply_repetition_penalty', 'apply_penalties', 'apply
 
 # %% ../../nbs/08_sampling.ipynb #5135a75e
 def token_counts(token_ids: list[list[int]], vocab_size: int, device=None) -> torch.Tensor:
-    "How often each vocabulary id occurs in each row's list: [R, V] int32."
-    counts = torch.zeros(len(token_ids), vocab_size, dtype=torch.int32, device=device)
-    for r, ids in enumerate(token_ids):
-        if ids:
-            ones = torch.ones(len(ids), dtype=torch.int32, device=device)
-            counts[r].index_add_(0, torch.tensor(ids, device=device), ones)
-    return counts
+    "How often each vocabulary id occurs in each row's list: [R, V] int32; ids < 0 are skipped."
+    # one index into the flat [R * V] counts, sent in one copy that does not wait
+    flat = [r * vocab_size + t for r, ids in enumerate(token_ids) for t in ids if t >= 0]
+    counts = torch.zeros(len(token_ids) * vocab_size, dtype=torch.int32, device=device)
+    if flat:
+        index = torch.tensor(flat).to(device, non_blocking=True)
+        counts.index_add_(0, index, torch.ones_like(index, dtype=torch.int32))
+    return counts.view(len(token_ids), vocab_size)
 
 def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor,
                              penalty: torch.Tensor) -> torch.Tensor:
@@ -126,6 +127,15 @@ def _col(params, rows, attr, device, dtype=torch.float32) -> torch.Tensor:
     return torch.tensor([getattr(params[r], attr) for r in rows], dtype=dtype, device=device)
 
 # %% ../../nbs/08_sampling.ipynb #30ee583e
+def _add_pending(counts: torch.Tensor, pending_ids: torch.Tensor | None,
+                 rows: list[int]) -> torch.Tensor:
+    "counts [R', V] of rows, plus one for each row's pending token (-1: none), on the device."
+    if pending_ids is None:
+        return counts
+    index = torch.tensor(rows).to(pending_ids.device, non_blocking=True)
+    pending = pending_ids.index_select(0, index)[:, None]                    # [R', 1]
+    return counts.scatter_add(1, pending.clamp(min=0), (pending >= 0).to(counts.dtype))
+
 class Sampler:
     """Turns logits [R, V] into one token per row, each row with its own SamplingParams.
 
@@ -138,6 +148,9 @@ class Sampler:
       stop_ids    list[set[int]] | None: token ids that end row r (eos unless ignore_eos, plus
                   stop_token_ids, see `SamplingParams.stop_token_set`), masked while
                   len(output_ids[r]) < min_tokens; None means each row's `params.stop_token_ids`
+    `probs` also takes pending_ids: [R] tensor on the logits' device, the token still on the
+      device for each row whose output_ids end with a placeholder -1 (-1: none); the penalties
+      count it there
     returns SamplerOutput(token_ids: list[int] [R], logprobs: list[dict[int, float] | None] [R])
       logprobs[r] is None unless params[r].logprobs = k; then {token id: logprob of the raw
       (unprocessed) distribution} for the k most likely ids plus the sampled id (k or k+1
@@ -147,7 +160,8 @@ class Sampler:
         # shared by unseeded rows; made lazily on the logits' device
         self.generator = generator
 
-    def probs(self, logits, params, prompt_ids, output_ids, stop_ids=None) -> torch.Tensor:
+    def probs(self, logits, params, prompt_ids, output_ids, stop_ids=None,
+              pending_ids: torch.Tensor | None = None) -> torch.Tensor:
         "The processed distribution [R, V] float32: masks, penalties, warpers; greedy rows one-hot."
         dev, V = logits.device, logits.shape[-1]
         # a float32 copy: never write into the caller's logits
@@ -157,11 +171,13 @@ class Sampler:
             if len(output_ids[r]) < p.min_tokens and ids:
                 x[r, list(ids)] = -math.inf
         if rows := _rows(params, lambda p: p.repetition_penalty != 1.0):
-            seen = token_counts([prompt_ids[r] + output_ids[r] for r in rows], V, dev) > 0
+            seen = token_counts([prompt_ids[r] + output_ids[r] for r in rows], V, dev)
+            seen = _add_pending(seen, pending_ids, rows) > 0
             penalty = _col(params, rows, 'repetition_penalty', dev)
             x[rows] = apply_repetition_penalty(x[rows], seen, penalty)
         if rows := _rows(params, lambda p: p.presence_penalty != 0 or p.frequency_penalty != 0):
-            counts = token_counts([output_ids[r] for r in rows], V, dev)
+            counts = _add_pending(token_counts([output_ids[r] for r in rows], V, dev),
+                                  pending_ids, rows)
             x[rows] = apply_penalties(x[rows], counts, _col(params, rows, 'presence_penalty', dev),
                                       _col(params, rows, 'frequency_penalty', dev))
         if rows := _rows(params, lambda p: not p.greedy and p.temperature != 1.0):
