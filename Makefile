@@ -141,8 +141,9 @@ test-browser: test-site
 	@echo "== $$(date -u +%T) browser check, done"
 
 test-notebooks: test-site
-	@echo "== $$(date -u +%T) nbdev_test: every notebook, cells flagged slow/gpu skipped"
-	$(KEEP_IMAGES) && { $(STAGE_ENV) $(INTERPRET_TRITON) $(BIN)/nbdev_test; rc=$$?; \
+	@echo "== $$(date -u +%T) nbdev_test: every notebook, cells flagged slow/gpu skipped, the"
+	@echo "   longest first (tools/test_notebooks.py)"
+	$(KEEP_IMAGES) && { $(STAGE_ENV) $(INTERPRET_TRITON) $(PY) tools/test_notebooks.py; rc=$$?; \
 	  $(PUT_BACK_IMAGES); exit $$rc; }
 	@echo "== $$(date -u +%T) nbdev_test, done"
 
