@@ -123,11 +123,13 @@ test: setup debian-packages
 
 # make test's stages after the quick checks. Every Python in them runs torch on one thread
 # (OMP_NUM_THREADS=1): several share the cores, and a multi-threaded op would wait at its
-# barriers for threads that another stage holds (tests that need two threads ask for them).
+# barriers for threads that another stage holds. Tests that need two threads ask for them, and
+# their threads sleep at a barrier rather than spin (OMP_WAIT_POLICY=PASSIVE): beside two busy
+# processes, SmolLM2's two-thread batch-invariance test took 319 s spinning, 38 s sleeping.
 TEST_STAGES := test-notebooks test-pytest test-kernel-compile test-avx2 test-gpu-dry \
   test-browser
 .PHONY: $(TEST_STAGES) test-site
-STAGE_ENV := OMP_NUM_THREADS=1
+STAGE_ENV := OMP_NUM_THREADS=1 OMP_WAIT_POLICY=PASSIVE
 
 # the site is built from the saved outputs and images/ before nbdev_test's chapters redraw the
 # charts there (a half-written picture would fail the browser check)
