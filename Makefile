@@ -117,30 +117,64 @@ test: setup debian-packages
 	$(PY) tools/check_outputs.py
 	@echo "== $$(date -u +%T) devices: chapters that reach Triton choose their device once"
 	$(PY) tools/check_devices.py
-	@echo "== $$(date -u +%T) nbdev_test: every notebook, cells flagged slow/gpu skipped"
-	$(KEEP_IMAGES) && { $(INTERPRET_TRITON) $(BIN)/nbdev_test; rc=$$?; $(PUT_BACK_IMAGES); exit $$rc; }
-	@echo "== $$(date -u +%T) pytest (not slow; both cores; the kernel compile check is the next stage)"
-	$(PY) -m pytest -rs -m "not slow" -n 2 --dist loadfile --durations=15 \
-	  --ignore=tests/test_kernel_compile.py tests || { rc=$$?; \
+	@echo "== $$(date -u +%T) the stages below run side by side, so that no core waits for a"
+	@echo "   stage's last test; each one's output comes whole when it ends, and any failure fails"
+	@$(MAKE) --no-print-directory -j$(words $(TEST_STAGES)) --output-sync=target $(TEST_STAGES)
+
+# make test's stages after the quick checks. Every Python in them runs torch on one thread
+# (OMP_NUM_THREADS=1): several share the cores, and a multi-threaded op would wait at its
+# barriers for threads that another stage holds. Tests that need two threads ask for them, and
+# their threads sleep at a barrier rather than spin (OMP_WAIT_POLICY=PASSIVE): beside two busy
+# processes, SmolLM2's two-thread batch-invariance test took 319 s spinning, 38 s sleeping.
+TEST_STAGES := test-notebooks test-pytest test-kernel-compile test-avx2 test-gpu-dry \
+  test-browser
+.PHONY: $(TEST_STAGES) test-site
+STAGE_ENV := OMP_NUM_THREADS=1 OMP_WAIT_POLICY=PASSIVE
+
+# the site is built from the saved outputs and images/ before nbdev_test's chapters redraw the
+# charts there (a half-written picture would fail the browser check)
+test-site:
+	@echo "== $$(date -u +%T) site build (jupyter-book, offline)"
+	$(PY) tools/build_site.py
+
+test-browser: test-site
+	@echo "== $$(date -u +%T) browser check (headless chromium)"
+	$(PY) tools/browser_check.py
+	@echo "== $$(date -u +%T) browser check, done"
+
+test-notebooks: test-site
+	@echo "== $$(date -u +%T) nbdev_test: every notebook, cells flagged slow/gpu skipped, the"
+	@echo "   longest first (tools/test_notebooks.py)"
+	$(KEEP_IMAGES) && { $(STAGE_ENV) $(INTERPRET_TRITON) $(PY) tools/test_notebooks.py; rc=$$?; \
+	  $(PUT_BACK_IMAGES); exit $$rc; }
+	@echo "== $$(date -u +%T) nbdev_test, done"
+
+test-pytest:
+	@echo "== $$(date -u +%T) pytest (not slow; two workers; kernel compile is its own stage)"
+	$(STAGE_ENV) $(PY) -m pytest -rs -m "not slow" -n 2 --dist loadfile --no-loadscope-reorder \
+	  --durations=15 --ignore=tests/test_kernel_compile.py tests || { rc=$$?; \
 	  if [ $$rc = 5 ]; then echo "pytest collected no test: that is a failure"; fi; exit $$rc; }
-	@echo "== $$(date -u +%T) kernels compile for NVIDIA sm_75 to sm_120 and AMD gfx90a, gfx942, gfx1100"
-	$(PY) -m pytest -q -rP tests/test_kernel_compile.py
-	@echo "== $$(date -u +%T) AVX2: the CPU-specific paths on an emulated AVX2 CPU (where this has AVX-512),"
-	@echo "   on one core beside the last three stages, which leave it idle; its output comes last"
-	mkdir -p _build; $(PY) tools/avx2_stage.py > _build/avx2_stage.log 2>&1 & avx2=$$!; \
-	{ echo "== $$(date -u +%T) tools/gpu_check.sh --dry (the GPU check's Python, on the CPU)" && \
-	  PYTHON=$(PY) OUT=_build/gpu_check_dry tools/gpu_check.sh --dry && \
-	  echo "== $$(date -u +%T) make test-gpu's plan (tools/gpu_session.sh --dry)" && \
-	  ( PYTHON=$(PY) OUT=_build/gpu_session_dry tools/gpu_session.sh --dry \
-	      > _build/gpu_session_dry.log 2>&1 || { cat _build/gpu_session_dry.log; exit 1; }; \
-	    echo "$$(grep -c '^PLAN' _build/gpu_session_dry.log) items planned:" \
-	      "_build/gpu_session_dry.log" ) && \
-	  echo "== $$(date -u +%T) site build (jupyter-book, offline)" && \
-	  $(PY) tools/build_site.py && \
-	  echo "== $$(date -u +%T) browser check (headless chromium)" && \
-	  $(PY) tools/browser_check.py; } || { rc=$$?; kill $$avx2 2>/dev/null; exit $$rc; }; \
-	wait $$avx2 || rc=$$?; \
-	echo "== $$(date -u +%T) AVX2 stage, done:"; cat _build/avx2_stage.log; exit $${rc:-0}
+	@echo "== $$(date -u +%T) pytest, done"
+
+test-kernel-compile:
+	@echo "== $$(date -u +%T) kernels compile for NVIDIA sm_75 to sm_120, AMD gfx90a to gfx1100"
+	$(STAGE_ENV) $(PY) -m pytest -q -rP tests/test_kernel_compile.py
+	@echo "== $$(date -u +%T) kernel compile, done"
+
+test-avx2:
+	@echo "== $$(date -u +%T) AVX2: the CPU-specific paths on an emulated AVX2 CPU"
+	@echo "   (where this one has AVX-512)"
+	$(STAGE_ENV) $(PY) tools/avx2_stage.py
+	@echo "== $$(date -u +%T) AVX2 stage, done"
+
+test-gpu-dry:
+	mkdir -p _build
+	@echo "== $$(date -u +%T) tools/gpu_check.sh --dry (the GPU check's Python, on the CPU)"
+	$(STAGE_ENV) PYTHON=$(PY) OUT=_build/gpu_check_dry tools/gpu_check.sh --dry
+	@echo "== $$(date -u +%T) make test-gpu's plan (tools/gpu_session.sh --dry)"
+	@$(STAGE_ENV) PYTHON=$(PY) OUT=_build/gpu_session_dry tools/gpu_session.sh --dry \
+	  > _build/gpu_session_dry.log 2>&1 || { cat _build/gpu_session_dry.log; exit 1; }
+	@echo "$$(grep -c '^PLAN' _build/gpu_session_dry.log) items planned: _build/gpu_session_dry.log"
 
 # the whole book on this machine's GPU: the gpu tests, every chapter with its gpu cells saved
 test-gpu: setup

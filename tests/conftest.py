@@ -1,5 +1,5 @@
 """Shared pytest setup: the `slow`, `gpu` and `cpu_paths` markers, Triton's interpreter on a
-CPU, and the one-thread fixture for modules of tiny models."""
+CPU, the longest files first, and the one-thread fixture for modules of tiny models."""
 import contextlib
 import os
 
@@ -18,8 +18,21 @@ def pytest_configure(config):
                                        "runs it on an emulated AVX2 CPU (tools/avx2_stage.py)")
 
 
+# The files that take longest on two CPU cores (pytest --durations=0), longest first: `make test`
+# hands whole files to its two workers in collection order (`--dist loadfile
+# --no-loadscope-reorder`), and a long file started last would leave one worker running it alone.
+LONGEST_FIRST = ['test_kernels.py', 'test_parallel.py', 'test_fused_moe.py',
+                 'test_server_structured.py', 'test_engine.py', 'test_gguf.py',
+                 'test_speculative.py', 'test_cli.py', 'test_cuda_graphs.py',
+                 'test_server_limits.py', 'test_server_invariance.py', 'test_structured.py',
+                 'test_bench.py', 'test_batch_invariant_smollm2.py', 'test_bench_serve.py',
+                 'test_bench_host.py', 'test_server_soak.py']
+
+
 def pytest_collection_modifyitems(config, items):
-    "Skip the gpu-marked tests where there is no CUDA GPU, saying so."
+    "The longest files first; skip the gpu-marked tests where there is no CUDA GPU, saying so."
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))     # stable: files stay whole
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")

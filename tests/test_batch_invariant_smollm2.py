@@ -24,13 +24,19 @@ def _llm(**options) -> LLM:
                kv_cache_memory=2**26, **options)
 
 
+def _sharing(llm: LLM, **options) -> LLM:
+    "Another batch-invariant engine on llm's model (a load costs seconds), with its own KV pool."
+    return LLM(llm.engine.model, tokenizer=llm.tokenizer, batch_invariant=True,
+               kv_cache_memory=2**26, **options)
+
+
 def test_probes_keep_their_lone_answers(two_threads):
     "Alone, then among 16 prompts, then chunked 16 tokens a step, then after a prefix hit."
     llm = _llm(block_size=4)                      # blocks small enough for short prompts to fill
     alone = [_answers(llm, [p])[0] for p in PROBES]
     situations = {
-        "batched": _answers(_llm(enable_prefix_caching=False), PROBES + OTHERS)[:5],
-        "chunked": _answers(_llm(enable_prefix_caching=False, max_num_batched_tokens=16),
+        "batched": _answers(_sharing(llm, enable_prefix_caching=False), PROBES + OTHERS)[:5],
+        "chunked": _answers(_sharing(llm, enable_prefix_caching=False, max_num_batched_tokens=16),
                             PROBES + OTHERS[:3])[:5],
         "prefix hit": _answers(llm, PROBES),            # their prompts are in llm's cache now
     }
