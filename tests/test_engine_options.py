@@ -41,6 +41,7 @@ REFUSED = [   # options, a phrase the refusal must hold
     (dict(speculative_config={'method': 'ngram', 'num_speculative_tokens': 0}),
      "num_speculative_tokens must be an int >= 1"),
     (dict(speculative_config={**NGRAM, 'lookup_max': 2}), "unknown key(s) 'lookup_max'"),
+    (dict(speculative_config={**NGRAM, 'adaptive': 'yes'}), "adaptive must be True or False"),
     (dict(speculative_config={'method': 'medusa', 'num_speculative_tokens': 2}),
      "method must be one of 'ngram', 'draft_model'"),
     # options together

@@ -250,6 +250,21 @@ def test_greedy_identity_with_speculation_f64(f64, draft_path, method, block_siz
         assert s.num_steps > sum(len(p) for p in prompts) // 8      # prompts were chunked
 
 
+def test_adaptive_drafts_back_off_where_they_fail_and_change_no_token_f64(f64, draft_path):
+    "A random one-layer draft is rarely right: each sequence proposes far fewer drafts than k."
+    path, hf = f64
+    prompts, mt = _prompts(3), [24] * 16
+    stats = {}
+    for adaptive in (False, True):
+        llm = LLM(path, block_size=4, kv_cache_memory=_pool(path, draft_path, 512, 4),
+                  speculative_config={**_spec('draft_model', draft_path, 4),
+                                      'adaptive': adaptive})
+        _check_greedy(llm, hf, prompts, mt)           # transformers' tokens either way
+        stats[adaptive] = llm.stats
+    assert stats[False].acceptance_rate < 0.5         # the draft is mostly wrong
+    assert stats[True].num_draft_tokens < stats[False].num_draft_tokens / 2, stats
+
+
 def test_prefix_hits_with_speculation_f64(f64, draft_path):
     "A shared 40-token prefix hits the prefix cache; the draft recomputes it; tokens unchanged."
     path, hf = f64

@@ -241,12 +241,17 @@ class SpeculativeConfig:
     prompt_lookup_max: int | None = None       # ngram: the longest suffix tried first
     # draft_model: its folder, .gguf file or hub id, or a built model
     model: str | os.PathLike | nn.Module | None = None
+    # k per sequence from its own acceptance, pausing where drafts keep failing (DraftSchedule);
+    # False: always k
+    adaptive: bool = True
 
     def __post_init__(self):
         k = self.num_speculative_tokens
         if not positive_int(k):
             spec_error(f"num_speculative_tokens must be an int >= 1 (the tokens proposed per "
                        f"step), got {k!r}")
+        if not isinstance(self.adaptive, bool):
+            spec_error(f"adaptive must be True or False, got {self.adaptive!r}")
         if self.method is None and self.model is not None:
             self.method = 'draft_model'
         if self.method not in SPECULATIVE_METHODS:

@@ -19,8 +19,9 @@ from ..model.sampling_params import SamplingParams
 from .scheduler import Scheduler, SchedulerOutput, Sequence, SequenceStatus
 
 # %% auto #0
-__all__ = ['speculative_config', 'ngram_propose', 'verify_drafts', 'emitted_tokens', 'load_draft_model', 'draft_params',
-           'DraftModelProposer', 'SpeculativeSchedulerOutput', 'SpeculativeScheduler', 'Speculator']
+__all__ = ['MAX_PAUSE', 'speculative_config', 'ngram_propose', 'verify_drafts', 'emitted_tokens', 'load_draft_model',
+           'draft_params', 'DraftModelProposer', 'SpeculativeSchedulerOutput', 'SpeculativeScheduler', 'DraftSchedule',
+           'Speculator']
 
 # %% ../../nbs/16_speculative.ipynb #7a049784
 def speculative_config(speculative: str, num_speculative_tokens: int = 4) -> dict:
@@ -256,6 +257,36 @@ class SpeculativeScheduler(Scheduler):
         seq.spec_token_ids = []
 
 
+# %% ../../nbs/16_speculative.ipynb #a7012b1b
+MAX_PAUSE = 64            # decodes without drafts, at most, between two probes
+
+@dataclass
+class DraftSchedule:
+    "How many drafts a sequence's next step proposes, from how its earlier drafts fared."
+    num_speculative_tokens: int
+    k: int = 0                # drafts to propose when not paused (0: start at the most)
+    pause: int = 0            # decodes still to run without drafts
+    backoff: int = 1          # the next pause's length, doubled each time a probe fails
+
+    def __post_init__(self):
+        self.k = self.k or self.num_speculative_tokens
+
+    def next_k(self) -> int:
+        "Drafts to propose at this decode (0 while paused); a pause counts down by one."
+        if self.pause:
+            self.pause -= 1
+            return 0
+        return self.k
+
+    def update(self, num_drafts: int, num_accepted: int):
+        "After a verify: all accepted, k + 2; else k - 1, or a pause where k was 1 already."
+        if num_accepted == num_drafts:
+            self.k, self.backoff = min(self.k + 2, self.num_speculative_tokens), 1
+        elif self.k > 1:
+            self.k -= 1
+        else:                     # one draft, rejected: plain decodes, then probe with one
+            self.pause, self.backoff = self.backoff, min(2 * self.backoff, MAX_PAUSE)
+
 # %% ../../nbs/16_speculative.ipynb #b4ecf66b
 class Speculator:
     "Speculation inside the engine: drafts for the decodes before a step, verified after it."
@@ -271,13 +302,22 @@ class Speculator:
                            "with a longer context")
             self.draft = DraftModelProposer(draft_runner)
         self.draft_probs: dict[int, torch.Tensor] = {}   # seq id -> q of its drafts [d, V]
+        self.schedules: dict[int, DraftSchedule] = {}     # seq id -> its drafts' record
+
+    def num_drafts(self, seq: Sequence) -> int:
+        "The k of seq's next decode: its DraftSchedule's, or the config's if not adaptive."
+        if not self.config.adaptive:
+            return self.config.num_speculative_tokens
+        if seq.seq_id not in self.schedules:
+            self.schedules[seq.seq_id] = DraftSchedule(self.config.num_speculative_tokens)
+        return self.schedules[seq.seq_id].next_k()
 
     def propose(self, scheduler: SpeculativeScheduler):
         "Drafts for each decode that has none yet; a draft model's slots are reserved first."
-        k = self.config.num_speculative_tokens
+        self.schedules = {i: s for i, s in self.schedules.items() if i in scheduler.seqs}
         if self.draft is None:
             for seq in scheduler.awaiting_drafts():
-                if num := scheduler.max_drafts(seq, k):
+                if num := scheduler.max_drafts(seq, self.num_drafts(seq)):
                     seq.spec_token_ids = ngram_propose(seq.token_ids, num,
                                                        self.config.prompt_lookup_min,
                                                        self.config.prompt_lookup_max)
@@ -288,7 +328,7 @@ class Speculator:
         seqs, counts = [], []
         # most urgent first: a reservation only ever preempts less urgent sequences
         for seq in scheduler.awaiting_drafts():
-            num = scheduler.max_drafts(seq, k)
+            num = scheduler.max_drafts(seq, self.num_drafts(seq))
             running = seq.status is SequenceStatus.RUNNING       # not preempted a moment ago
             if num and running and scheduler.reserve(seq, 1 + num):
                 seqs.append(seq)
@@ -314,6 +354,9 @@ class Speculator:
         accepted, recovered = verify_drafts(probs, draft_ids, q, noise)
         num_rows = [len(d) + 1 for d in drafts]
         tokens = emitted_tokens(accepted, recovered, draft_ids, num_rows)
+        for seq, seq_drafts, seq_tokens in zip(seqs, drafts, tokens):
+            if seq_drafts and seq.seq_id in self.schedules:
+                self.schedules[seq.seq_id].update(len(seq_drafts), len(seq_tokens) - 1)
         # logprobs of the raw distribution, each at the row of the token it describes
         starts = [end - n for end, n in zip(itertools.accumulate(num_rows), num_rows)]
         kept = [start + j for start, t in zip(starts, tokens) for j in range(len(t))]
