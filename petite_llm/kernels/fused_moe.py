@@ -119,7 +119,7 @@ def tile_height(num_experts: int, num_assignments: int, invariant: bool = False)
 def fused_experts(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
                   weights: torch.Tensor, experts: torch.Tensor,
                   invariant: bool = False) -> torch.Tensor:
-    "Experts [E, 2I, H] and [E, H, I] in two grouped GEMMs: x [T, H], weights, ids [T, k] -> [T, H]."
+    "Experts [E, 2I, H], [E, H, I] as two grouped GEMMs: x [T, H], weights, ids [T, k] -> [T, H]."
     (T, hidden), top_k, num_experts = x.shape, experts.shape[1], gate_up_proj.shape[0]
     block_m = tile_height(num_experts, T * top_k, invariant)
     align = moe_align_block_size(experts, block_m, num_experts)

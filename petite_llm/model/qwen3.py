@@ -18,7 +18,7 @@ from .moe import make_mlp
 
 # %% ../../nbs/05_model.ipynb #505e6717
 def add_rms_norm(hidden: torch.Tensor, residual: torch.Tensor | None, norm: nn.Module):
-    "(norm(residual + hidden), residual + hidden), each [T, H]; residual None: the stream is hidden."
+    "(norm(residual + hidden), residual + hidden), each [T, H]; residual None: adds nothing."
     residual = hidden if residual is None else residual + hidden
     return norm(residual), residual
 

@@ -54,7 +54,7 @@ class Attention(nn.Module):
         self.kv_cache = None                               # (k_cache, v_cache), set by the engine
 
     def qk_norm_rope(self, positions: torch.Tensor, qkv: torch.Tensor):
-        "qkv [T, q_size + 2 kv_size] -> q [T, n_heads, D], k, v [T, n_kv_heads, D], normed, rotated."
+        "qkv [T, q_size + 2 kv_size] -> q [T, nh, D], k, v [T, nkv, D]: split, QK-normed, rotated."
         T = qkv.shape[0]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(T, self.num_heads, self.head_dim)       # [T, n_heads, D]
