@@ -80,11 +80,12 @@ def top_p_after_top_k(logits: torch.Tensor, top_p: torch.Tensor, k_max: int) -> 
     weights = (top - top[:, -1:]).exp()                            # [R, k] softmax's numerators
     floor_weight = (floor - top[:, -1:]).exp()                     # [R, 1]
     total = weights.sum(-1, keepdim=True) + rank[:, -1:] * floor_weight
-    cum = rank[:, -1:] * (floor_weight / total) + (weights / total).cumsum(dim=-1)   # [R, k]
+    floor_p = floor_weight / total                                 # [R, 1] each tied token's p
+    cum = rank[:, -1:] * floor_p + (weights / total).cumsum(dim=-1)               # [R, k]
     threshold = (1 - top_p).unsqueeze(-1)                          # [R, 1]
     remove = cum <= threshold
     remove[:, -1] = False                                          # the most likely token stays
-    remove_tied = tied & (rank * (floor_weight / total) <= threshold)             # [R, V]
+    remove_tied = tied & (rank * floor_p <= threshold)                           # [R, V]
     return logits.masked_fill(remove_tied.scatter(-1, order, remove), -math.inf)
 
 # %% ../../nbs/08_sampling.ipynb #ec3f4cfa
