@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from .gguf_file import GGUFFile
+
 # %% auto #0
 __all__ = ['DTYPES', 'MOE_MODEL_TYPES', 'SUPPORTED_MODEL_TYPES', 'ROPE_SCALING_KEYS', 'GGUF_ARCHS', 'parse_dtype', 'ModelConfig',
            'resolve_device', 'cpu_name', 'read_gguf_metadata']
@@ -260,8 +262,8 @@ def _config_from_dict(cls: type[ModelConfig], config_dict: dict) -> ModelConfig:
                **_moe_fields(config_dict))
 
 # %% ../../nbs/00_config.ipynb #087d2d48
-def _open_gguf(path):
-    "A `gguf.GGUFReader` on `path`, or ValueError naming the file when it is not a readable GGUF."
+def _open_gguf(path) -> GGUFFile:
+    "The GGUFFile of `path`, or ValueError naming the file when it is not a readable GGUF."
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"{path} is not a valid GGUF file: it does not exist")
@@ -269,18 +271,17 @@ def _open_gguf(path):
     return _parsed_gguf(path.resolve(), stat.st_mtime_ns, stat.st_size)
 
 @functools.lru_cache(maxsize=4)
-def _parsed_gguf(path: Path, mtime_ns: int, size: int):
-    "The reader of one version of a GGUF file, parsed once per process (a failure is not kept)."
-    from gguf import GGUFReader
+def _parsed_gguf(path: Path, mtime_ns: int, size: int) -> GGUFFile:
+    "One version of a GGUF file, parsed once per process (a failure is not kept)."
     try:
-        return GGUFReader(path)
+        return GGUFFile(path)
     except Exception as e:
         raise ValueError(f"{path} is not a valid GGUF file (truncated or corrupt?): "
                          f"{type(e).__name__}: {e}") from e
 
-def _gguf_fields(reader) -> dict[str, Any]:
-    "Every metadata key of an open GGUF reader as a plain Python value."
-    return {k: f.contents() for k, f in reader.fields.items()}
+def _gguf_fields(reader: GGUFFile) -> dict[str, Any]:
+    "Every metadata key of an open GGUF file: a copy (the parsed file is the process's)."
+    return dict(reader.fields)
 
 def read_gguf_metadata(path) -> dict[str, Any]:
     "Every key of a GGUF file's header as a plain Python value (str, int, float, bool or list)."
