@@ -28,8 +28,9 @@ def test_top_k_is_read_on_the_host_not_the_device():
     x = _logits()
     qwen3 = SamplingParams(temperature=0.6, top_k=20, top_p=0.95)
     params = [qwen3, replace(qwen3, top_k=7), SamplingParams(temperature=0)] + [qwen3] * 3
+    sampler = Sampler()
     with HostReads() as mode:
-        probs = Sampler().probs(x, params, [[1]] * 6, [[]] * 6)
+        probs = sampler.probs(x, params, [[1]] * 6, [[]] * 6)
     assert mode.found == []
     assert (probs[0] > 0).sum() <= 20 and (probs[1] > 0).sum() <= 7
     with HostReads() as mode:                          # the standalone call, k_max not given

@@ -5,6 +5,7 @@ import re
 
 import jsonschema
 import pytest
+import torch
 import xgrammar as xgr
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -12,6 +13,7 @@ from hypothesis import strategies as st
 from petite_llm.engine.llm_engine import LLM
 from petite_llm.engine.structured import to_grammar
 from petite_llm.model.sampling_params import SamplingParams, StructuredOutputsParams
+from host_reads import HostReads
 from test_server_http import write_checkpoint
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -190,3 +192,66 @@ def test_smollm2_answers_in_the_schema_and_would_not_alone():
         json.loads(alone.outputs[0].text)
     assert held.finish_reason == 'stop'
     jsonschema.validate(json.loads(held.outputs[0].text), PERSON)
+
+
+@pytest.mark.parametrize("greedy", [True, False])
+def test_async_grammars_sample_the_serial_tokens(qwen3_path, greedy):
+    "Async scheduling: a matcher takes its row's pending token, masks, rolls back: serial's tokens."
+    specs = [{'json': PERSON}, {'regex': r'[0-9]{2,4}-[A-Z]{1,2}'},
+             {'choice': ['yes', 'no', 'maybe']}, None]
+    sampling = dict(temperature=0) if greedy else dict(temperature=1.0, top_k=50)
+    params = [SamplingParams(max_tokens=20, seed=i, structured_outputs=spec, **sampling)
+              for i, spec in enumerate(specs)]
+    prompts = [[1, 2, 3], [7] * 9, [11, 12], [5, 6, 7, 8]]
+    serial, overlapped = (engine(qwen3_path, **MODES[mode]).generate(prompts, params,
+                                                                      use_tqdm=False)
+                          for mode in ('default', 'async'))
+    assert [o.outputs[0].token_ids for o in overlapped] == [o.outputs[0].token_ids for o in serial]
+    for p, out in zip(params[:3], overlapped):
+        check_output(engine(qwen3_path, **MODES['async']), p.structured_outputs, out.outputs[0])
+
+
+# each setup a user asks for; ModelRunner.launch must read none of their tensors back
+LAUNCH_SETUPS = {
+    'greedy': dict(temperature=0),
+    'qwen3': dict(temperature=0.6, top_k=20, top_p=0.95),
+    'top_p': dict(temperature=0.8, top_p=0.9),
+    'min_p': dict(temperature=1.0, min_p=0.05),
+    'seeded': dict(temperature=1.0, seed=7),
+    'penalties': dict(temperature=0.7, repetition_penalty=1.2, presence_penalty=0.5,
+                      frequency_penalty=0.3),
+    'min_tokens': dict(temperature=0.7, min_tokens=4),
+    'logprobs': dict(temperature=0.6, top_k=20, top_p=0.95, logprobs=5),
+    'json': dict(temperature=0.6, top_k=20, top_p=0.95, structured_outputs={'json': PERSON}),
+}
+# a Tensor's methods that read its values on the host (on a GPU each waits for the device)
+READ_METHODS = ('tolist', 'item', 'cpu', 'numpy', '__int__', '__bool__', '__float__', '__index__')
+
+
+@pytest.mark.parametrize("setup", sorted(LAUNCH_SETUPS))
+def test_launch_reads_no_tensor_back(qwen3_path, monkeypatch, setup):
+    "Async launch reads nothing back: no read op, no read method (but of prev's copy, a grammar's)."
+    llm = engine(qwen3_path, **MODES['async'])
+    runner, launch = llm.engine.runner, llm.engine.runner.launch
+    found, allowed, overlapped = [], [], []
+    for name in READ_METHODS:
+        def recorded(self, *args, _name=name, _original=getattr(torch.Tensor, name), **kwargs):
+            if allowed and self is not allowed[-1]:
+                found.append(_name)
+            return _original(self, *args, **kwargs)
+        monkeypatch.setattr(torch.Tensor, name, recorded)
+
+    def recorded_launch(scheduled, prev=None):
+        # prev's host copy: what a grammar's matcher reads, after this step's forward is queued
+        allowed.append(None if prev is None else prev.host_token_ids)
+        overlapped.append(prev is not None)
+        try:
+            with HostReads() as mode:
+                return launch(scheduled, prev)
+        finally:
+            allowed.pop()
+            found.extend(mode.found)
+    monkeypatch.setattr(runner, 'launch', recorded_launch)
+    params = SamplingParams(max_tokens=6, **LAUNCH_SETUPS[setup])
+    llm.generate([[1, 2, 3], [4, 5, 6, 7, 8]], params, use_tqdm=False)
+    assert found == [] and sum(overlapped) >= 4

@@ -214,14 +214,11 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         "One forward pass; an output for each request that got tokens, finished or was aborted."
         # serial: launch a step and resolve it. Async scheduling: launch the next step, then
-        # resolve the one in flight, unless a sampler reads its tokens (then that one first)
+        # resolve the one in flight
         start = time.perf_counter()
         if self.structured is not None:
             self.structured.admit(self.scheduler)   # requests whose grammar compiled (chapter 22)
         prev, self._in_flight = self._in_flight, None
-        overlap = self.config.async_scheduling and self._can_overlap()
-        if prev is not None and not overlap:
-            return self._finish_step(prev, start)
         if self.scheduler.has_unfinished_requests():
             if self.speculator is not None:
                 self.speculator.propose(self.scheduler)      # drafts for the decodes (chapter 16)
@@ -230,7 +227,7 @@ class LLMEngine:
                 # prompt tokens: what the step computes besides its decodes (chunks, recomputes)
                 self._prompt_tokens += sum(scheduled.num_new_tokens[scheduled.num_decodes:])
                 self._in_flight = self.runner.launch(scheduled, prev)
-        if not overlap:
+        if not self.config.async_scheduling:
             prev, self._in_flight = self._in_flight, None
         if prev is None:
             self._busy += time.perf_counter() - start
@@ -254,12 +251,6 @@ class LLMEngine:
         self._steps += 1
         self._busy += time.perf_counter() - start
         return outputs
-
-    def _can_overlap(self) -> bool:
-        "Whether a step may launch before the host has the tokens of the one in flight."
-        # seeded draws and min_tokens read the output position, which counts the pending tokens;
-        # penalties count the pending token on the device; a grammar needs it on the host
-        return not any(seq.sampling_params.reads_tokens for seq in self.scheduler.seqs.values())
 
     @property
     def stats(self) -> EngineStats:

@@ -130,41 +130,39 @@ class ModelRunner:
             return StepInFlight(scheduled, seqs, logits,
                                 output=self.speculator.sample(scheduled, logits, self.sampler))
         params = [seq.sampling_params for seq in seqs]
-        # a grammar reads the tokens on the host: none is pending then (LLMEngine waits)
-        on_host = any(p.reads_tokens for p in params)
         # each one's output position: its tokens out and pending, less the one it samples now
         num_out = [seq.num_output_tokens + seq.num_pending - 1 for seq in seqs]
-        if not on_host and all(p.greedy and not p.penalized and n >= p.min_tokens
-                               for p, n in zip(params, num_out)):
+        if all(p.greedy and not p.penalized and n >= p.min_tokens and seq.grammar is None
+               for p, n, seq in zip(params, num_out, seqs)):
             token_ids = logits.float().argmax(-1)                          # [S]
         else:
-            output_ids, pending_ids = self._output_ids(seqs, num_out, on_host, prev)
+            output_ids, pending_ids = self._output_ids(seqs, num_out, prev)
             allowed = logits
             if any(seq.grammar is not None for seq in seqs):
                 # chapter 22 (imported only when asked for): a constrained row keeps only the
-                # tokens its grammar allows
+                # tokens its grammar allows after its newest token, which the host reads from
+                # prev's copy while this step's forward pass runs
                 from petite_llm.engine.structured import mask_logits
-                allowed = mask_logits(logits, seqs)
+                allowed = mask_logits(logits, seqs, self._pending_tokens(seqs, num_out, prev))
             probs = self.sampler.probs(allowed, params, [seq.prompt_token_ids for seq in seqs],
                                        output_ids, [seq.stop_ids for seq in seqs], pending_ids)
             token_ids = self.sampler.sample(probs, params, output_ids)     # [S]
-        if not on_host:
-            # logprobs found on the device too, and read with the tokens in resolve
-            found = self.sampler.logprob_tensors(logits, params, token_ids)
-            host, copied = _copy_to_host([token_ids, *(found[1:] if found else ())])
-            logprobs = None if found is None else (found[0], *host[1:])
-            return StepInFlight(scheduled, seqs, logits, token_ids, host[0], copied, logprobs)
-        token_ids = token_ids.tolist()
-        logprobs = self.sampler.logprobs(logits, params, token_ids)       # of the raw logits
-        output = ModelRunnerOutput(seqs, [[t] for t in token_ids], [[lp] for lp in logprobs],
-                                   logits, [0] * len(seqs))
-        return StepInFlight(scheduled, seqs, logits, output=output)
+        # logprobs found on the device too, and read with the tokens in resolve
+        found = self.sampler.logprob_tensors(logits, params, token_ids)
+        host, copied = _copy_to_host([token_ids, *(found[1:] if found else ())])
+        logprobs = None if found is None else (found[0], *host[1:])
+        return StepInFlight(scheduled, seqs, logits, token_ids, host[0], copied, logprobs)
 
-    def _output_ids(self, seqs: list[Sequence], num_out: list[int], on_host: bool,
+    def _prev_rows(self, seqs: list[Sequence], num_out: list[int],
+                   prev: StepInFlight) -> list[int]:
+        "Each row's row in prev.token_ids, where prev sampled its newest token; else -1."
+        row_of = prev.rows                            # seq_id -> its row in prev.token_ids
+        return [row_of[seq.seq_id] if n > seq.num_output_tokens else -1
+                for seq, n in zip(seqs, num_out)]
+
+    def _output_ids(self, seqs: list[Sequence], num_out: list[int],
                     prev: StepInFlight | None) -> tuple[list, torch.Tensor | None]:
         "What the sampler reads of each row's output: the tokens, or only how many; pending ones."
-        if on_host:                                   # a grammar: every token is on the host
-            return [seq.output_token_ids for seq in seqs], None
         if not any(seq.sampling_params.penalized for seq in seqs):
             return [range(n) for n in num_out], None  # len() is all the sampler reads
         # penalties count the tokens: the host's, then a placeholder (-1) for the one prev
@@ -173,10 +171,19 @@ class ModelRunner:
                       for seq, n in zip(seqs, num_out)]
         if prev is None or prev.token_ids is None:
             return output_ids, None
-        row_of = prev.rows                            # seq_id -> its row in prev.token_ids
-        src = self._as_tensor([row_of[seq.seq_id] if n > seq.num_output_tokens else -1
-                               for seq, n in zip(seqs, num_out)])
+        src = self._as_tensor(self._prev_rows(seqs, num_out, prev))
         return output_ids, torch.where(src >= 0, prev.token_ids[src.clamp(min=0)], -1)
+
+    def _pending_tokens(self, seqs: list[Sequence], num_out: list[int],
+                        prev: StepInFlight | None) -> list[int | None]:
+        "Each row's token that prev sampled and the host has not taken yet (None if none)."
+        if prev is None or prev.token_ids is None:
+            return [None] * len(seqs)
+        # prev's tokens, on the host: a wait for prev only, this step's forward is queued
+        if prev.copied is not None:
+            prev.copied.synchronize()
+        tokens = prev.host_token_ids.tolist()
+        return [tokens[r] if r >= 0 else None for r in self._prev_rows(seqs, num_out, prev)]
 
     def _fill_pending(self, scheduled: SchedulerOutput, prev: StepInFlight | None):
         "input_ids' placeholders for tokens prev sampled, filled on the device; None if none."
@@ -218,7 +225,7 @@ class StepInFlight:
     copied: torch.cuda.Event | None = None  # recorded after the copies on CUDA; else None
     # Sampler.logprob_tensors' (rows, top-k logprobs, ids, chosen), their copies on the host
     logprobs: tuple | None = None
-    # a step sampled on the host (drafts verified, penalties, grammars): what resolve returns
+    # a step sampled on the host (drafts verified, chapter 16): what resolve returns
     output: ModelRunnerOutput | None = None
 
     @property

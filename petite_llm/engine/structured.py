@@ -17,7 +17,7 @@ from ..model.sampling_params import StructuredOutputsParams
 from ..model.tokenizer import Tokenizer
 
 # %% auto #0
-__all__ = ['tokenizer_info', 'to_grammar', 'StructuredOutputs', 'mask_logits', 'advance']
+__all__ = ['tokenizer_info', 'to_grammar', 'StructuredOutputs', 'fill_bitmask', 'mask_logits', 'advance']
 
 # %% ../../nbs/22_structured_outputs.ipynb #so210006
 def tokenizer_info(tokenizer: Tokenizer, vocab_size: int, stop_token_ids) -> xgr.TokenizerInfo:
@@ -98,14 +98,30 @@ class StructuredOutputs:
         self.waiting = [(seq, compiled) for seq, compiled in self.waiting if seq.seq_id != seq_id]
 
 # %% ../../nbs/22_structured_outputs.ipynb #so210014
-def mask_logits(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+def fill_bitmask(matcher: xgr.GrammarMatcher, bitmask: torch.Tensor, row: int,
+                 pending: int | None = None) -> bool:
+    "bitmask[row]: the tokens the grammar allows after a pending token; False if none follows."
+    if pending is not None and not matcher.accept_token(pending):
+        return False                  # advance raises for it when its own step resolves
+    ended = matcher.is_terminated()
+    if not ended:
+        matcher.fill_next_token_bitmask(bitmask, row)
+    if pending is not None:
+        matcher.rollback(1)           # advance takes the pending token when its step resolves
+    return not ended
+
+def mask_logits(logits: torch.Tensor, seqs: list[Sequence],
+                pending: list[int | None] | None = None) -> torch.Tensor:
     "logits [S, V], each constrained row's forbidden tokens at -inf: a float32 copy (else logits)."
-    rows = [r for r, seq in enumerate(seqs) if seq.grammar is not None]
+    # pending [S]: the token each row sampled in the step still in flight (async), or None
+    pending = pending or [None] * len(seqs)
+    # [S, ceil(V / 32)] int32 on the host, bit v of a row set where token v is allowed (-1: all)
+    bitmask = torch.full(xgr.get_bitmask_shape(len(seqs), logits.shape[-1]), -1, dtype=torch.int32)
+    # a row whose grammar ends at its pending token finishes with it: its sample here is dropped
+    rows = [r for r, seq in enumerate(seqs)
+            if seq.grammar is not None and fill_bitmask(seq.grammar, bitmask, r, pending[r])]
     if not rows:
         return logits
-    bitmask = xgr.allocate_token_bitmask(len(seqs), logits.shape[-1])   # [S, ceil(V / 32)] int32
-    for r in rows:
-        seqs[r].grammar.fill_next_token_bitmask(bitmask, r)
     masked = logits.to(torch.float32, copy=True)
     xgr.apply_token_bitmask_inplace(masked, bitmask.to(masked.device), indices=rows)
     return masked

@@ -158,8 +158,9 @@ class Sampler:
       entries), most likely first
     """
     def __init__(self, generator: torch.Generator | None = None):
-        # shared by unseeded rows; made lazily on the logits' device
-        self.generator = generator
+        # shared by unseeded rows; made lazily on the logits' device, from a seed drawn now
+        # (torch's global generator), so that no step reads a tensor for it
+        self.generator, self.seed = generator, torch.randint(2**62, ()).item()
 
     def probs(self, logits, params, prompt_ids, output_ids, stop_ids=None,
               pending_ids: torch.Tensor | None = None) -> torch.Tensor:
@@ -207,7 +208,7 @@ class Sampler:
         noise = torch.ones_like(probs)                                       # greedy: argmax(p / 1)
         if rows := _rows(params, lambda p: not p.greedy and p.seed is None):
             if self.generator is None or self.generator.device != dev:
-                self.generator = torch.Generator(dev).manual_seed(torch.randint(2**62, ()).item())
+                self.generator = torch.Generator(dev).manual_seed(self.seed)
             noise[rows] = exponential_noise((len(rows), probs.shape[-1]), self.generator, dev)
         for r in _rows(params, lambda p: not p.greedy and p.seed is not None):
             g = torch.Generator(dev).manual_seed(seed_for(params[r].seed, len(output_ids[r])))

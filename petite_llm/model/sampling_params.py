@@ -162,13 +162,6 @@ class SamplingParams:
         return (self.repetition_penalty != 1.0 or self.presence_penalty != 0
                 or self.frequency_penalty != 0)
 
-    @property
-    def reads_tokens(self) -> bool:
-        "True when sampling reads the tokens so far on the host: a grammar follows them."
-        # otherwise the host needs only their count: seeded draws and min_tokens read the
-        # position, penalties add the newest tokens on the device, and logprobs are found there
-        return self.structured_outputs is not None
-
     def stop_token_set(self, eos_token_ids=()) -> set[int]:
         "The token ids that end this request: eos ids (unless `ignore_eos`) plus `stop_token_ids`."
         return set(self.stop_token_ids) | (set() if self.ignore_eos else set(eos_token_ids))
