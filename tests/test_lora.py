@@ -1,0 +1,233 @@
+"""Multi-LoRA serving (chapter 24) against transformers + PEFT, the oracle.
+
+Random-weight Qwen3, Qwen2 and Llama bases are made by transformers, and four LoRA adapters of each
+by PEFT (ranks 4 to 64, different target modules, rsLoRA, alphas that are not powers of two, B made
+non-zero), saved by PEFT's own `save_pretrained`. In float64, every request of a batch that mixes
+the base model and the four adapters gets, at every step, the logits of transformers with PEFT and
+its own adapter (to rounding) and the same greedy tokens, also with prefill chunks, prefix hits,
+preemption, LRU swaps of the device slots and async scheduling. Two adapters never share KV blocks.
+"""
+import copy
+
+import peft
+import pytest
+import torch
+import transformers
+
+from petite_llm.engine.config import EngineConfig
+from petite_llm.engine.llm_engine import LLM, LLMEngine
+from petite_llm.engine.lora import LoRALinear, LoRARequest, load_peft_adapter
+from petite_llm.engine.paging import kv_bytes_per_block
+from petite_llm.model.config import ModelConfig
+from petite_llm.model.quantization import Int8Linear
+from petite_llm.model.sampling_params import SamplingParams
+
+VOCAB, EOS = 200, 2
+HF = {'qwen3': (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+      'qwen2': (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+      'llama': (transformers.LlamaConfig, transformers.LlamaForCausalLM)}
+ALL = ['q_proj', 'k_proj', 'v_proj', 'o_proj', 'gate_proj', 'up_proj', 'down_proj']
+# (name, rank, lora_alpha, targets, rsLoRA)
+ADAPTERS = [('qv', 4, 7, ['q_proj', 'v_proj'], False),
+            ('all', 8, 12, ALL, True),
+            ('mlp', 16, 5, ['gate_proj', 'up_proj', 'down_proj'], False),
+            ('ko', 64, 100, ['k_proj', 'o_proj'], False)]
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _randomize(model, seed, only=None):
+    "Unit-scale random values for the parameters (those whose name holds `only`)."
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if only is None or only in name:
+                r = torch.randn(param.shape, generator=g, dtype=torch.float64)
+                param.copy_(r / param.shape[-1] ** 0.5 if param.dim() == 2 else 1 + 0.2 * r)
+
+
+def make_lora_models(path, model_type, **overrides):
+    "A float64 base and four PEFT adapters saved under path; {LoRARequest or None: HF model}."
+    cfg_cls, model_cls = HF[model_type]
+    kw = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+              max_position_embeddings=256, tie_word_embeddings=False, eos_token_id=EOS,
+              pad_token_id=0, attn_implementation='sdpa') | overrides
+    base = model_cls(cfg_cls(**kw)).double().eval()
+    _randomize(base, 0)
+    base.save_pretrained(path / 'base')
+    models = {None: base}
+    for i, (name, rank, alpha, targets, rslora) in enumerate(ADAPTERS, start=1):
+        config = peft.LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets,
+                                 use_rslora=rslora)
+        adapted = peft.get_peft_model(copy.deepcopy(base), config)
+        _randomize(adapted, i, only='lora_')                 # PEFT starts B at zero
+        adapted.save_pretrained(path / name)
+        models[LoRARequest(name, i, str(path / name))] = adapted.eval()
+    return path / 'base', models
+
+
+@pytest.fixture(scope="module", params=['qwen3', 'qwen2', 'llama'])
+def lora_models(request, tmp_path_factory):
+    return make_lora_models(tmp_path_factory.mktemp(request.param), request.param)
+
+
+@pytest.fixture(scope="module")
+def qwen3_loras(tmp_path_factory):
+    return make_lora_models(tmp_path_factory.mktemp('qwen3_lora'), 'qwen3')
+
+
+def _prompts(n, length=7, shared=0, seed=0):
+    "n prompts of `length` random tokens after `shared` tokens they all begin with."
+    g = torch.Generator().manual_seed(seed)
+    prefix = torch.randint(3, VOCAB, (shared,), generator=g).tolist()
+    return [prefix + torch.randint(3, VOCAB, (length + i % 3,), generator=g).tolist()
+            for i in range(n)]
+
+
+def _peft_greedy(model, prompt, max_tokens):
+    "transformers (+ PEFT) greedy tokens for one prompt alone, stopping at eos as the engine does."
+    ids = torch.tensor([prompt])
+    with torch.inference_mode():
+        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
+                             max_new_tokens=max_tokens, do_sample=False, eos_token_id=EOS,
+                             pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def _check(llm, models, prompts, requests, max_tokens=6):
+    "One generate call of all prompts; each one's tokens == its adapter's PEFT greedy tokens."
+    outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens),
+                           lora_request=requests, use_tqdm=False)
+    for i, (prompt, request, out) in enumerate(zip(prompts, requests, outputs)):
+        want = _peft_greedy(models[request], prompt, max_tokens)
+        assert out.outputs[0].token_ids == want, (i, getattr(request, 'lora_name', 'base'))
+    return outputs
+
+
+def _pool(path, num_blocks, block_size):
+    "kv_cache_memory bytes for exactly num_blocks float64 blocks."
+    return num_blocks * kv_bytes_per_block(ModelConfig.from_pretrained(path), block_size,
+                                           torch.float64)
+
+
+def test_mixed_batch_logits_and_tokens(lora_models, record_logits):
+    "Base + 4 adapters in one batch: each request's logits at every step are PEFT's, and its tokens."
+    path, models = lora_models
+    llm = LLM(path, dtype=torch.float64, enable_lora=True, max_loras=4, max_lora_rank=64,
+              block_size=4)
+    rows = record_logits(llm)
+    requests = list(models) * 2
+    prompts = _prompts(len(requests))
+    outputs = _check(llm, models, prompts, requests)
+    for prompt, request, out in zip(prompts, requests, outputs):
+        ids = prompt + out.outputs[0].token_ids
+        with torch.no_grad():
+            want = models[request](torch.tensor([ids])).logits[0, len(prompt) - 1:-1]
+        got = torch.stack(rows[tuple(prompt)])
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-9 * want.abs().max().item())
+    assert llm.engine.runner.lora is not None and len(llm.engine.lora.slots) == 4
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_chunks_prefix_hits_preemption_and_slot_swaps(qwen3_loras, async_scheduling):
+    "8-token chunks, a shared prefix, a pool that preempts, 2 slots for 4 adapters: PEFT's tokens."
+    path, models = qwen3_loras
+    llm = LLM(path, dtype=torch.float64, enable_lora=True, max_loras=2, max_lora_rank=64,
+              block_size=4, max_num_batched_tokens=8, kv_cache_memory=_pool(path, 12, 4),
+              async_scheduling=async_scheduling)
+    requests = [request for request in models for _ in range(3)]    # a prefix hit: the 2nd of 3
+    prompts = _prompts(len(requests), length=5, shared=9, seed=1)
+    _check(llm, models, prompts, requests, max_tokens=8)
+    stats = llm.stats
+    assert stats.num_preemptions > 0 and stats.prefix_cache_hit_rate > 0
+    assert stats.kv_blocks_used == 0
+
+
+def test_two_adapters_never_share_kv_blocks(qwen3_loras):
+    "One prompt under adapters qv, qv, all and the base: only the two qv requests share blocks."
+    path, models = qwen3_loras
+    engine = LLMEngine.from_pretrained(path, dtype=torch.float64, enable_lora=True, max_loras=4,
+                                       max_lora_rank=64, block_size=4)
+    qv, all_ = list(models)[1:3]
+    prompt = _prompts(1, length=13)[0]                       # 13 tokens: 3 full blocks
+    params = SamplingParams(temperature=0, max_tokens=1)
+    # the first qv request runs alone, so its full blocks are cached before the others arrive
+    engine.add_request(prompt, params, lora_request=qv)
+    while engine.has_unfinished_requests():
+        engine.step()
+    for request in [qv, all_, None]:
+        engine.add_request(prompt, params, lora_request=request)
+    engine.scheduler.schedule()
+    tables = {seq.lora_id: seq.block_table for seq in engine.scheduler.running}
+    assert engine.block_manager.num_hit_tokens == 12         # the second qv: 3 blocks hit
+    assert not set(tables[2]) & set(tables[1]) and not set(tables[0]) & set(tables[1])
+    assert not set(tables[0]) & set(tables[2])
+
+
+def _lora_of_int8(path, models):
+    "Chapter 19's Int8Linear as the base of a LoRALinear: int8 product plus PEFT's delta."
+    request = list(models)[2]                                # 'all': rank 8, rsLoRA
+    config = ModelConfig.from_pretrained(path)
+    adapter = load_peft_adapter(request.lora_path, config, 16, torch.float64)
+    peft_layer = models[request].base_model.model.model.layers[0].self_attn
+    base = torch.nn.Linear(64, 64, bias=False).double()
+    layer = LoRALinear(Int8Linear.from_linear(base), 64, [64], 2, 16, torch.float64, 'cpu')
+    layer.set_slot(1, adapter.weights[0, 'o_proj'])
+    return layer, peft_layer.o_proj
+
+
+def test_lora_on_an_int8_base(qwen3_loras):
+    "A LoRALinear adds PEFT's s·B(A x) to whatever its base computes: here an Int8Linear's."
+    from petite_llm.engine.lora import LoRABatch, LoRAKernels
+    path, models = qwen3_loras
+    layer, peft_o_proj = _lora_of_int8(path, models)
+    x = torch.randn(5, 64, dtype=torch.float64)
+    layer.step = (LoRAKernels(), LoRABatch.build([1, -1], [3, 2], 'cpu'))
+    scale = peft_o_proj.scaling['default']
+    delta = peft_o_proj.lora_B['default'](peft_o_proj.lora_A['default'](x)) * scale
+    with torch.no_grad():
+        out = layer(x)
+        base = layer.base_layer(x)
+    torch.testing.assert_close(out[:3], base[:3] + delta[:3], rtol=0, atol=1e-12)
+    torch.testing.assert_close(out[3:], base[3:], rtol=0, atol=0)
+
+
+def _saved(tmp_path, source, **changes):
+    "A copy of adapter folder source with adapter_config.json changed."
+    import json
+    import shutil
+    target = tmp_path / 'changed'
+    shutil.copytree(source, target)
+    config = json.loads((target / 'adapter_config.json').read_text())
+    (target / 'adapter_config.json').write_text(json.dumps(config | changes))
+    return str(target)
+
+
+def test_refusals_name_the_problem(qwen3_loras, tmp_path):
+    "modules_to_save, a rank over the limit, another base model, LoRA off, a bad id, a clash."
+    path, models = qwen3_loras
+    qv, all_, mlp, ko = list(models)[1:]
+    llm = LLM(path, dtype=torch.float64, enable_lora=True, max_loras=2, max_lora_rank=16)
+    params = SamplingParams(max_tokens=1)
+    cases = [(LoRARequest('s', 7, _saved(tmp_path, qv.lora_path, modules_to_save=['lm_head'])),
+              'modules_to_save'),
+             (ko, 'rank 64 is over max_lora_rank=16'),
+             (LoRARequest('zero', 0, qv.lora_path), 'lora_int_id must be an int >= 1'),
+             (LoRARequest('qv', 9, mlp.lora_path), "name 'qv' already belongs"),
+             (LoRARequest('x', 8, str(tmp_path)), 'adapter_config.json and')]
+    llm.generate([[5, 6]], params, lora_request=qv, use_tqdm=False)
+    for request, message in cases:
+        with pytest.raises(ValueError, match=message):
+            llm.generate([[5, 6]], params, lora_request=request, use_tqdm=False)
+    other, _ = make_lora_models(tmp_path / 'wide', 'qwen3', hidden_size=32, head_dim=8)
+    with pytest.raises(ValueError, match='trained on another base model'):
+        llm.generate([[5, 6]], params, lora_request=LoRARequest('w', 5, str(tmp_path / 'wide'
+                                                                             / 'qv')),
+                     use_tqdm=False)
+    plain = LLM(path, dtype=torch.float64)
+    with pytest.raises(ValueError, match='enable_lora=True'):
+        plain.generate([[5, 6]], params, lora_request=qv, use_tqdm=False)
+    with pytest.raises(ValueError, match='enable_lora=True does not run with speculative'):
+        EngineConfig(enable_lora=True, speculative_config={'method': 'ngram',
+                                                           'num_speculative_tokens': 2})
