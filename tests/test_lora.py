@@ -231,3 +231,139 @@ def test_refusals_name_the_problem(qwen3_loras, tmp_path):
     with pytest.raises(ValueError, match='enable_lora=True does not run with speculative'):
         EngineConfig(enable_lora=True, speculative_config={'method': 'ngram',
                                                            'num_speculative_tokens': 2})
+
+
+@pytest.mark.parametrize("out_sizes,rank", [([24, 8, 8], 12), ([40], 16), ([16, 16], 4)])
+def test_triton_shrink_expand_equal_the_torch_path(out_sizes, rank):
+    "The kernels (interpreted on a CPU) add what the torch path adds: 3 slots, the base, chunks."
+    from petite_llm.engine.lora import LoRABatch, LoRAKernels
+    from petite_llm.engine.triton_backend import TritonLoRAKernels
+    g = torch.Generator().manual_seed(rank)
+    layer = LoRALinear(torch.nn.Identity(), 24, out_sizes, 3, rank, torch.float32, 'cpu')
+    layer.lora_a.normal_(generator=g)
+    layer.lora_b.normal_(generator=g)
+    batch = LoRABatch.build([2, -1, 0, 1, 2], [1, 1, 3, 2, 4], 'cpu')
+    x = torch.randn(11, 24, generator=g)
+    y = torch.randn(11, sum(out_sizes), generator=g)
+    want = LoRAKernels().add_lora(y.clone(), x, layer, batch)
+    got = TritonLoRAKernels().add_lora(y.clone(), x, layer, batch)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(got[1], y[1], rtol=0, atol=0)          # the base model's token
+
+
+def test_triton_backend_serves_adapters(qwen3_loras, record_logits):
+    "The engine on the triton backend (its LoRA kernels), float32: each request's logits ~ PEFT's."
+    path, models = qwen3_loras
+    llm = LLM(path, dtype=torch.float32, enable_lora=True, max_loras=4, max_lora_rank=64,
+              attention_backend='triton', block_size=16)
+    assert llm.engine.lora.kernels.name == 'triton'
+    rows = record_logits(llm)
+    requests = list(models)[::2]                             # the base, 'all' and 'ko'
+    prompts = _prompts(len(requests), length=4, seed=3)
+    outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=2),
+                           lora_request=requests, use_tqdm=False)
+    for prompt, request, out in zip(prompts, requests, outputs):
+        ids = prompt + out.outputs[0].token_ids
+        with torch.no_grad():
+            want = models[request](torch.tensor([ids])).logits[0, len(prompt) - 1:-1]
+        got = torch.stack(rows[tuple(prompt)]).double()
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-4 * want.abs().max().item())
+
+
+def _start_server(path, port, log, *options):
+    "`petite-llm serve path --enable-lora ...` in a subprocess, once /health answers."
+    import subprocess
+    import sys
+    import time
+    import httpx
+    main = "import sys; from petite_llm.cli.main import main; sys.exit(main())"
+    cmd = [sys.executable, "-c", main, "serve", str(path), "--port", str(port),
+           "--served-model-name", "tiny", "--dtype", "float64", "--device", "cpu",
+           "--log-level", "warning", "--enable-lora", "--max-loras", "2", *options]
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                            env={**__import__('os').environ, "OMP_NUM_THREADS": "1"})
+    deadline = time.monotonic() + 90
+    while True:
+        assert proc.poll() is None, "the server exited"
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                return proc
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() < deadline, "the server did not answer /health in 90 s"
+        time.sleep(0.2)
+
+
+@pytest.fixture(scope="module")
+def served_loras(tmp_path_factory):
+    "A Qwen3-tokenizer model and its PEFT adapters; `serve` with two of them; killed at the end."
+    qwen3_tokenizer = pytest.importorskip("qwen3_tokenizer")
+    from petite_llm.bench.serving import free_port
+    path = tmp_path_factory.mktemp("served_lora")
+    base, models = make_lora_models(path, 'qwen3', vocab_size=151936, hidden_size=32,
+                                    head_dim=8, eos_token_id=151645)
+    try:
+        qwen3_tokenizer.write_qwen3_tokenizer(base)
+    except Exception as e:
+        pytest.skip(f"no offline Qwen3 tokenizer here: {e}")
+    qv, all_ = list(models)[1:3]
+    port, log = free_port(), open(path / "server.log", "w+")
+    proc = _start_server(base, port, log, "--lora-modules", f"qv={qv.lora_path}",
+                         f"all={all_.lora_path}")
+    try:
+        yield f"http://127.0.0.1:{port}", base, models
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)
+        log.seek(0)
+        print(log.read()[-3000:])
+        log.close()
+
+
+def test_server_answers_by_adapter_in_one_burst(served_loras):
+    "Through openai: the base and two adapters at once, each its PEFT twin; load, unload, 4xx."
+    import asyncio
+    import httpx
+    openai = pytest.importorskip("openai")
+    url, base, models = served_loras
+    none, qv, all_, mlp, ko = list(models)
+    reference = LLM(base, dtype=torch.float64, enable_lora=True, max_loras=4, max_lora_rank=64)
+    prompt, params = "The capital of France is", SamplingParams(temperature=0, max_tokens=6)
+
+    def expected(request):
+        "Our engine's text for the prompt with this adapter, its tokens checked against PEFT's."
+        out = reference.generate([prompt], params, lora_request=request, use_tqdm=False)[0]
+        ids = torch.tensor([out.prompt_token_ids])
+        with torch.inference_mode():
+            twin = models[request].generate(input_ids=ids, attention_mask=torch.ones_like(ids),
+                                            max_new_tokens=6, do_sample=False,
+                                            eos_token_id=151645, pad_token_id=0)
+        assert out.outputs[0].token_ids == twin[0, ids.shape[1]:].tolist()
+        return out.outputs[0].text
+
+    async def burst(names):
+        "The prompt's completion under each model name, all requests at once."
+        async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="none", timeout=60) as client:
+            replies = await asyncio.gather(*[
+                client.completions.create(model=name, prompt=prompt, max_tokens=6, temperature=0)
+                for name in names])
+        return [reply.choices[0].text for reply in replies]
+
+    names = ["tiny", "qv", "all"]
+    assert asyncio.run(burst(names)) == [expected(r) for r in (none, qv, all_)]
+    listed = httpx.get(f"{url}/v1/models").json()["data"]
+    assert [(m["id"], m.get("parent")) for m in listed] == [
+        ("tiny", None), ("qv", "tiny"), ("all", "tiny")]
+    load = lambda name, path: httpx.post(f"{url}/v1/load_lora_adapter",            # noqa: E731
+                                         json={"lora_name": name, "lora_path": path})
+    assert load("mlp", mlp.lora_path).status_code == 200
+    assert asyncio.run(burst(["mlp"])) == [expected(mlp)]
+    over = load("ko", ko.lora_path)                                # rank 64 > --max-lora-rank 16
+    assert over.status_code == 400 and "max_lora_rank" in over.json()["error"]["message"]
+    assert load("qv", mlp.lora_path).status_code == 400           # the name is taken
+    unload = httpx.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": "mlp"})
+    assert unload.status_code == 200
+    with pytest.raises(openai.NotFoundError):
+        asyncio.run(burst(["mlp"]))
+    metrics = httpx.get(f"{url}/metrics").text
+    assert 'petite_llm:lora_requests_total{lora_name="qv"} 1.0' in metrics

@@ -80,7 +80,7 @@ class LLMEngine:
             draft = load_draft_model(spec_config, model)     # None for n-gram
         models = [model] + ([draft] if draft is not None else [])
         prepare_models(config, models)
-        self.lora = lora_manager(config, model)   # chapter 24, before the pool is sized
+        self.lora = lora_manager(config, model, choices.attention_backend)   # chapter 24
         sizes = size_engine(config, models)
         self.num_kv_blocks, self.block_size = sizes.num_blocks, config.block_size
         self.kv_cache_memory, self.max_model_len = sizes.kv_cache_memory, sizes.max_model_len

@@ -269,12 +269,16 @@ def prepare_models(config: EngineConfig, models: list[nn.Module]):
         for model in models:
             make_batch_invariant(model)       # every linear on tiles of a fixed row count
 
-def lora_manager(config: EngineConfig, model: nn.Module):
-    "Chapter 24's LoRAManager (the model's LoRA layers and slots) if enable_lora, else None."
+def lora_manager(config: EngineConfig, model: nn.Module, backend: str):
+    "Chapter 24's LoRAManager (LoRA layers, slots, the backend's kernels) if enable_lora, else None."
     if not config.enable_lora:
         return None
-    from petite_llm.engine.lora import LoRAManager
-    return LoRAManager(model, config.max_loras, config.max_lora_rank)
+    from petite_llm.engine.lora import LoRAKernels, LoRAManager
+    kernels = LoRAKernels()
+    if backend == 'triton':               # shrink and expand in two launches over the batch
+        from petite_llm.engine.triton_backend import TritonLoRAKernels
+        kernels = TritonLoRAKernels()
+    return LoRAManager(model, config.max_loras, config.max_lora_rank, kernels)
 
 def build_runner(model: nn.Module, config: EngineConfig, sizes: EngineSizes,
                  compiled: Callable | None = None, speculator=None, workers=None,
