@@ -228,9 +228,8 @@ def test_refusals_name_the_problem(qwen3_loras, tmp_path):
     plain = LLM(path, dtype=torch.float64)
     with pytest.raises(ValueError, match='enable_lora=True'):
         plain.generate([[5, 6]], params, lora_request=qv, use_tqdm=False)
-    with pytest.raises(ValueError, match='enable_lora=True does not run with speculative'):
-        EngineConfig(enable_lora=True, speculative_config={'method': 'ngram',
-                                                           'num_speculative_tokens': 2})
+    with pytest.raises(ValueError, match='enable_lora=True does not run with tensor_parallel'):
+        EngineConfig(enable_lora=True, tensor_parallel_size=2)
 
 
 @pytest.mark.parametrize("out_sizes,rank", [([24, 8, 8], 12), ([40], 16), ([16, 16], 4)])
@@ -367,3 +366,60 @@ def test_server_answers_by_adapter_in_one_burst(served_loras):
         asyncio.run(burst(["mlp"]))
     metrics = httpx.get(f"{url}/metrics").text
     assert 'petite_llm:lora_requests_total{lora_name="qv"} 1.0' in metrics
+
+
+def test_lora_batch_groups_any_layout_by_slot():
+    "Random slot layouts (interleaved, side by side, none): the torch path == the definition."
+    from petite_llm.engine.lora import LoRABatch, LoRAKernels
+    g = torch.Generator().manual_seed(0)
+    layer = LoRALinear(torch.nn.Identity(), 8, [6, 2], 3, 4, torch.float64, 'cpu')
+    layer.lora_a.normal_(generator=g)
+    layer.lora_b.normal_(generator=g)
+    layouts = [[0, 0, 1], [1, 0, 1], [-1, 2, 2, -1], [-1, -1], [2], [0, 1, 2, 1, 0, -1]]
+    for seq_slots in layouts:
+        num_new = torch.randint(1, 4, (len(seq_slots),), generator=g).tolist()
+        batch = LoRABatch.build(seq_slots, num_new, 'cpu')
+        x = torch.randn(sum(num_new), 8, generator=g, dtype=torch.float64)
+        got = LoRAKernels().add_lora(torch.zeros(len(x), 8, dtype=torch.float64), x, layer,
+                                     batch)
+        for t, slot in enumerate(batch.token_slots.tolist()):
+            a, b = layer.lora_a[slot], layer.lora_b[slot]                   # [2 R, in], [8, R]
+            want = (torch.cat([b[:6] @ (a[:4] @ x[t]), b[6:] @ (a[4:] @ x[t])]) if slot >= 0
+                    else torch.zeros(8, dtype=torch.float64))
+            torch.testing.assert_close(got[t], want, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("method", ['ngram', 'draft_model'])
+def test_speculation_verifies_with_the_adapter(qwen3_loras, method):
+    "n-gram drafts, or the base model drafting without any adapter: each request's PEFT tokens."
+    path, models = qwen3_loras
+    spec = ({'method': 'ngram', 'num_speculative_tokens': 3, 'prompt_lookup_min': 1}
+            if method == 'ngram' else {'model': str(path), 'num_speculative_tokens': 3})
+    llm = LLM(path, dtype=torch.float64, enable_lora=True, max_loras=4, max_lora_rank=64,
+              block_size=4, speculative_config=spec)
+    requests = list(models)
+    prompts = [prompt * 3 for prompt in _prompts(len(requests), length=3, seed=4)]  # n-gram hits
+    _check(llm, models, prompts, requests, max_tokens=8)
+    assert llm.stats.num_drafts > 0
+
+
+def _int8_twin(model):
+    "A copy of a transformers (+ PEFT) model whose base linears hold their int8 values, dequantized."
+    from petite_llm.model.quantization import quantize_int8
+    twin = copy.deepcopy(model)
+    with torch.no_grad():
+        for name, module in twin.named_modules():
+            if isinstance(module, torch.nn.Linear) and 'lora_' not in name:
+                q, scale = quantize_int8(module.weight)
+                module.weight.copy_(q.double() * scale[:, None])
+    return twin
+
+
+def test_int8_base_with_adapters(qwen3_loras):
+    "int8 base weights, float adapters: PEFT's tokens on the same (dequantized) int8 base."
+    path, models = qwen3_loras
+    llm = LLM(path, dtype=torch.float64, quantization='int8', enable_lora=True, max_loras=4,
+              max_lora_rank=64)
+    assert isinstance(llm.engine.model.model.layers[0].mlp.down_proj.base_layer, Int8Linear)
+    twins = {request: _int8_twin(model) for request, model in models.items()}
+    _check(llm, twins, _prompts(len(twins), seed=5), list(twins))

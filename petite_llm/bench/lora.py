@@ -7,7 +7,7 @@ from __future__ import annotations
 # %% auto 0
 __all__ = ['random_peft_adapter', 'lora_cost', 'add_lora_arguments', 'run_lora']
 
-# %% ../../nbs/24_lora.ipynb #bf7f81f7
+# %% ../../nbs/24_lora.ipynb #6ecc198e
 # petite_llm.bench.lora: what serving LoRA adapters costs: a batch over more and more adapters
 import argparse
 import contextlib
@@ -25,7 +25,7 @@ from ..engine.lora import LORA_TARGETS, LoRARequest, lora_shapes
 from ..model.config import ModelConfig
 from ..model.sampling_params import SamplingParams
 
-# %% ../../nbs/24_lora.ipynb #adfaaead
+# %% ../../nbs/24_lora.ipynb #16e75a9c
 def random_peft_adapter(path, config: ModelConfig, rank: int, seed: int = 0,
                         targets: tuple[str, ...] = ('q_proj', 'k_proj', 'v_proj', 'o_proj',
                                                     'gate_proj', 'up_proj', 'down_proj'),
@@ -51,7 +51,7 @@ def random_peft_adapter(path, config: ModelConfig, rank: int, seed: int = 0,
         bias='none', use_rslora=False, modules_to_save=None)))
     return path
 
-# %% ../../nbs/24_lora.ipynb #cb53ea8b
+# %% ../../nbs/24_lora.ipynb #c2457168
 def _decode_ms(llm: LLM, prompts: list, requests: list, steps: int) -> float:
     "ms per decode step of these requests together, after their prefill and a first decode."
     engine = llm.engine
@@ -100,7 +100,7 @@ def lora_cost(shape: str = 'qwen3-0.6b', layers: int | None = 4, dtype='bfloat16
                 steps=steps, rounds=rounds, decode_ms=best, tok_s=tok_s,
                 ratio={n: tok_s[n] / tok_s['base'] for n in adapter_counts})
 
-# %% ../../nbs/24_lora.ipynb #37020eeb
+# %% ../../nbs/24_lora.ipynb #8e532467
 def add_lora_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     "Add the `petite-llm bench lora` options to an argparse parser."
     a = parser.add_argument

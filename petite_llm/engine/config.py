@@ -144,7 +144,7 @@ class EngineConfig:
             # chapter 24: the modes LoRA adapters are not served in yet
             *[(self.enable_lora and bool(value),
                f"enable_lora=True does not run with {name} yet; turn one of them off")
-              for name, value in (('speculative_config', spec), (tp + ' > 1', size > 1),
+              for name, value in ((tp + ' > 1', size > 1),
                                   ('enable_torch_compile', self.enable_torch_compile),
                                   ('batch_invariant', self.batch_invariant))],
         ]

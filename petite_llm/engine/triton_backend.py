@@ -100,7 +100,7 @@ EXPERTS_KERNELS['fused_invariant'] = ExpertsKernel(partial(fused_stack, invarian
                                                    (Experts,), 'triton', capturable=True,
                                                    invariant=True)
 
-# %% ../../nbs/24_lora.ipynb #f7056c9f
+# %% ../../nbs/24_lora.ipynb #f679b6bf
 from .lora import LoRABatch, LoRAKernels
 from ..kernels.lora import lora_expand, lora_shrink
 

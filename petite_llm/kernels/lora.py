@@ -7,13 +7,13 @@ from __future__ import annotations
 # %% auto 0
 __all__ = ['lora_shrink', 'lora_expand']
 
-# %% ../../nbs/24_lora.ipynb #d7e153dd
+# %% ../../nbs/24_lora.ipynb #3702500d
 # petite_llm.kernels.lora: LoRA's shrink and expand over a flat batch, each token by its slot
 import torch
 import triton
 import triton.language as tl
 
-# %% ../../nbs/24_lora.ipynb #50f3a0de
+# %% ../../nbs/24_lora.ipynb #521aeb07
 @triton.jit
 def _lora_shrink_kernel(x_ptr, a_ptr, slots_ptr, out_ptr, in_features, width,
                         stride_x, stride_a_slot, stride_a_row, stride_out,
@@ -55,7 +55,7 @@ def _lora_expand_kernel(shrunk_ptr, b_ptr, slots_ptr, col_slice_ptr, y_ptr, out_
         y = tl.load(y_cols, mask=cols < out_features, other=0.0)
         tl.store(y_cols, (y.to(tl.float32) + delta).to(y.dtype), mask=cols < out_features)
 
-# %% ../../nbs/24_lora.ipynb #f5ed0bd8
+# %% ../../nbs/24_lora.ipynb #cf1f03a5
 def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, token_slots: torch.Tensor,
                 block_r: int = 16, block_k: int = 64) -> torch.Tensor:
     "x [T, in], A [S, k R, in], slots [T] -> float32 [T, k R] (rows of slot -1 left unset)."

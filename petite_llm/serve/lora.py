@@ -7,7 +7,7 @@ from __future__ import annotations
 # %% auto 0
 __all__ = ['LoadLoRAAdapterRequest', 'UnloadLoRAAdapterRequest', 'add_lora_routes']
 
-# %% ../../nbs/24_lora.ipynb #925bc2f5
+# %% ../../nbs/24_lora.ipynb #1ed6448e
 # petite_llm.serve.lora: LoRA adapters over HTTP: loaded and unloaded while the server runs
 from fastapi import FastAPI
 from fastapi.responses import PlainTextResponse
@@ -16,7 +16,7 @@ from pydantic import BaseModel
 from ..engine.lora import LoRARequest
 from .protocol import APIError
 
-# %% ../../nbs/24_lora.ipynb #f17b1de8
+# %% ../../nbs/24_lora.ipynb #6c4dd7b2
 class LoadLoRAAdapterRequest(BaseModel):
     "POST /v1/load_lora_adapter, as vLLM takes it."
     lora_name: str
