@@ -360,6 +360,13 @@ def test_server_answers_by_adapter_in_one_burst(served_loras):
     over = load("ko", ko.lora_path)                                # rank 64 > --max-lora-rank 16
     assert over.status_code == 400 and "max_lora_rank" in over.json()["error"]["message"]
     assert load("qv", mlp.lora_path).status_code == 400           # the name is taken
+    import dataclasses
+    from petite_llm.bench.lora import random_peft_adapter
+    other = dataclasses.replace(ModelConfig.from_pretrained(base), intermediate_size=40)
+    wide = random_peft_adapter(base.parent / "other_base", other, rank=4)
+    mismatch = load("other", str(wide))
+    assert mismatch.status_code == 400
+    assert "another base model" in mismatch.json()["error"]["message"]
     unload = httpx.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": "mlp"})
     assert unload.status_code == 200
     with pytest.raises(openai.NotFoundError):
@@ -423,3 +430,24 @@ def test_int8_base_with_adapters(qwen3_loras):
     assert isinstance(llm.engine.model.model.layers[0].mlp.down_proj.base_layer, Int8Linear)
     twins = {request: _int8_twin(model) for request, model in models.items()}
     _check(llm, twins, _prompts(len(twins), seed=5), list(twins))
+
+
+def test_batch_invariant_with_adapters(qwen3_loras, record_logits):
+    "batch_invariant=True, float32: a request's logits are the same bits alone and in a mix."
+    path, models = qwen3_loras
+    none, qv, all_, mlp, ko = list(models)
+
+    def logits(prompts, requests):
+        llm = LLM(path, dtype=torch.float32, enable_lora=True, max_loras=4, max_lora_rank=64,
+                  batch_invariant=True, block_size=4)
+        assert llm.engine.lora.kernels.name == 'one_token_at_a_time'
+        rows = record_logits(llm)
+        llm.generate(prompts, SamplingParams(temperature=0, max_tokens=4), lora_request=requests,
+                     use_tqdm=False)
+        return rows[tuple(prompts[0])]
+
+    target, *others = _prompts(6, seed=7)
+    alone = logits([target], [qv])
+    mixed = logits([target, *others], [qv, qv, none, all_, qv, mlp])
+    assert len(alone) == len(mixed) == 4
+    assert all(torch.equal(a, b) for a, b in zip(alone, mixed))

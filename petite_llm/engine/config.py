@@ -145,8 +145,7 @@ class EngineConfig:
             *[(self.enable_lora and bool(value),
                f"enable_lora=True does not run with {name} yet; turn one of them off")
               for name, value in ((tp + ' > 1', size > 1),
-                                  ('enable_torch_compile', self.enable_torch_compile),
-                                  ('batch_invariant', self.batch_invariant))],
+                                  ('enable_torch_compile', self.enable_torch_compile))],
         ]
 
     def _target_rules(self, model_config: ModelConfig,

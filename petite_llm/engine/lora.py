@@ -21,8 +21,8 @@ from ..model.weights import resolve_model_path
 
 # %% auto #0
 __all__ = ['LORA_TARGETS', 'PEFT_MODULES', 'PEFT_KEY', 'lora_shapes', 'lora_scaling', 'LoRARequest', 'LoRAAdapter',
-           'check_adapter_config', 'load_peft_adapter', 'shrink_expand', 'LoRABatch', 'LoRAKernels', 'LoRALinear',
-           'LoRAManager']
+           'check_adapter_config', 'load_peft_adapter', 'shrink_expand', 'LoRABatch', 'LoRAKernels',
+           'OneTokenLoRAKernels', 'LoRALinear', 'LoRAManager']
 
 # %% ../../nbs/24_lora.ipynb #c465d04a
 # our projection -> the PEFT (transformers) modules it stacks, in the order of its output rows
@@ -128,7 +128,7 @@ def load_peft_adapter(path_or_id, config: ModelConfig, max_lora_rank: int,
         slices[slice_id] = (lora_a.to(dtype), (lora_b.double() * scaling).to(dtype))
     return adapter
 
-# %% ../../nbs/24_lora.ipynb #5f2e0c6e
+# %% ../../nbs/24_lora.ipynb #3a317732
 def shrink_expand(x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
                   slices: list[tuple[int, int]]) -> torch.Tensor:
     "One adapter on its rows: x [n, in], A [k R, in], B [out, R] -> B_j (A_j x) per slice [n, out]."
@@ -169,14 +169,28 @@ class LoRAKernels:
                  batch: LoRABatch) -> torch.Tensor:
         "out [T, out] += scale B_s (A_s x) for each token's slot s (none for slot -1)."
         sorted_x = x if batch.order is None else x[batch.order]              # [n, in]
-        deltas = [shrink_expand(sorted_x[rows], layer.lora_a[slot], layer.lora_b[slot],
-                                layer.slices) for slot, rows in batch.groups]
+        deltas = [self.delta(sorted_x[rows], layer.lora_a[slot], layer.lora_b[slot],
+                             layer.slices) for slot, rows in batch.groups]
         if batch.order is None:
             for (_, rows), delta in zip(batch.groups, deltas):
                 out[rows] += delta
         else:
             out.index_add_(0, batch.order, torch.cat(deltas))               # back to the batch
         return out
+
+    def delta(self, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
+              slices: list[tuple[int, int]]) -> torch.Tensor:
+        "One adapter's delta on its rows x [n, in] -> [n, out]: all of them in one product."
+        return shrink_expand(x, lora_a, lora_b, slices)
+
+class OneTokenLoRAKernels(LoRAKernels):
+    "The torch path one token at a time: a token's delta never depends on the batch (ch. 21)."
+    name = 'one_token_at_a_time'
+
+    def delta(self, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
+              slices: list[tuple[int, int]]) -> torch.Tensor:
+        "One adapter's delta, a product per row [1, in]: the same call whatever the batch."
+        return torch.cat([shrink_expand(row, lora_a, lora_b, slices) for row in x.split(1)])
 
 # %% ../../nbs/24_lora.ipynb #e5cb67c5
 class LoRALinear(nn.Module):

@@ -273,9 +273,10 @@ def lora_manager(config: EngineConfig, model: nn.Module, backend: str):
     "Chapter 24's LoRAManager (LoRA layers, slots, the backend's kernels) if enable_lora, else None."
     if not config.enable_lora:
         return None
-    from petite_llm.engine.lora import LoRAKernels, LoRAManager
-    kernels = LoRAKernels()
-    if backend == 'triton':               # shrink and expand in two launches over the batch
+    from petite_llm.engine.lora import LoRAKernels, LoRAManager, OneTokenLoRAKernels
+    # batch invariance (chapter 21): the torch path one token at a time
+    kernels = OneTokenLoRAKernels() if config.batch_invariant else LoRAKernels()
+    if backend == 'triton':               # two launches over the batch, each token alone
         from petite_llm.engine.triton_backend import TritonLoRAKernels
         kernels = TritonLoRAKernels()
     return LoRAManager(model, config.max_loras, config.max_lora_rank, kernels)
