@@ -8,6 +8,7 @@ its own adapter (to rounding) and the same greedy tokens, also with prefill chun
 preemption, LRU swaps of the device slots and async scheduling. Two adapters never share KV blocks.
 """
 import copy
+from pathlib import Path
 
 import peft
 import pytest
@@ -197,7 +198,7 @@ def _saved(tmp_path, source, **changes):
     "A copy of adapter folder source with adapter_config.json changed."
     import json
     import shutil
-    target = tmp_path / 'changed'
+    target = Path(tmp_path) / 'changed'
     shutil.copytree(source, target)
     config = json.loads((target / 'adapter_config.json').read_text())
     (target / 'adapter_config.json').write_text(json.dumps(config | changes))
@@ -220,6 +221,14 @@ def test_refusals_name_the_problem(qwen3_loras, tmp_path):
     for request, message in cases:
         with pytest.raises(ValueError, match=message):
             llm.generate([[5, 6]], params, lora_request=request, use_tqdm=False)
+    from safetensors.torch import load_file, save_file
+    cut = _saved(tmp_path / 'cut', qv.lora_path)
+    tensors = load_file(f'{cut}/adapter_model.safetensors')
+    save_file({k: v for k, v in tensors.items() if not k.endswith('0.self_attn.q_proj.lora_B'
+                                                                  '.weight')},
+              f'{cut}/adapter_model.safetensors')
+    with pytest.raises(ValueError, match='has no .*lora_B.weight beside it'):
+        llm.generate([[5, 6]], params, lora_request=LoRARequest('cut', 6, cut), use_tqdm=False)
     other, _ = make_lora_models(tmp_path / 'wide', 'qwen3', hidden_size=32, head_dim=8)
     with pytest.raises(ValueError, match='trained on another base model'):
         llm.generate([[5, 6]], params, lora_request=LoRARequest('w', 5, str(tmp_path / 'wide'

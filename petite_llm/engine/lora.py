@@ -63,7 +63,7 @@ class LoRAAdapter:
     weights: dict[tuple[int, str], list[tuple[torch.Tensor, torch.Tensor] | None]] = \
         field(default_factory=dict)
 
-# %% ../../nbs/24_lora.ipynb #a234c8e8
+# %% ../../nbs/24_lora.ipynb #fbe2fa32
 def _refuse(path, message: str):
     "A ValueError about the adapter at path."
     raise ValueError(f"LoRA adapter {path}: {message}")
@@ -113,8 +113,10 @@ def load_peft_adapter(path_or_id, config: ModelConfig, max_lora_rank: int,
         layer, (module, slice_id), part = int(match[1]), PEFT_MODULES[match[2]], match[3]
         if part == 'B':
             continue                                   # read with its A
-        lora_a = tensors[key]                                             # [r, in]
-        lora_b = tensors[key[:-len('A.weight')] + 'B.weight']            # [out, r]
+        b_key = key[:-len('A.weight')] + 'B.weight'
+        if b_key not in tensors:
+            _refuse(path_or_id, f"{key} has no {b_key} beside it: the file is incomplete")
+        lora_a, lora_b = tensors[key], tensors[b_key]                     # [r, in], [out, r]
         in_features, out_sizes = lora_shapes(config, module)
         expected = [(rank, in_features), (out_sizes[slice_id], rank)]
         if layer >= config.num_hidden_layers or [tuple(lora_a.shape),
