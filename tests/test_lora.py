@@ -460,3 +460,16 @@ def test_batch_invariant_with_adapters(qwen3_loras, record_logits):
     mixed = logits([target, *others], [qv, qv, none, all_, qv, mlp])
     assert len(alone) == len(mixed) == 4
     assert all(torch.equal(a, b) for a, b in zip(alone, mixed))
+
+
+def test_bench_lora_from_the_command_line(tmp_path, capsys):
+    "`petite-llm bench lora` on the micro shape: JSON with tok/s per run and its ratio to the base."
+    import json
+    from petite_llm.cli.main import main
+    assert main(['bench', 'lora', '--shape', 'micro', '--layers', '1', '--batch', '4',
+                 '--adapters', '0,2', '--rank', '4', '--steps', '1', '--rounds', '1',
+                 '--dtype', 'float32', '--checkpoint', str(tmp_path / 'micro')]) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert set(res['tok_s']) == {'base', '0', '2'} and set(res['ratio']) == {'0', '2'}
+    assert all(tok_s > 0 for tok_s in res['tok_s'].values())
+    assert len(list((tmp_path / 'micro').glob('lora-r4-*/adapter_model.safetensors'))) == 2
