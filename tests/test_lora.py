@@ -5,7 +5,11 @@ by PEFT (ranks 4 to 64, different target modules, rsLoRA, alphas that are not po
 non-zero), saved by PEFT's own `save_pretrained`. In float64, every request of a batch that mixes
 the base model and the four adapters gets, at every step, the logits of transformers with PEFT and
 its own adapter (to rounding) and the same greedy tokens, also with prefill chunks, prefix hits,
-preemption, LRU swaps of the device slots and async scheduling. Two adapters never share KV blocks.
+preemption, LRU swaps of the device slots and async scheduling; also with speculation, an int8
+base, batch invariance, and on the triton backend (interpreted here) with decode graphs whose slot
+indices are inputs (a stand-in recorder on a CPU, real CUDA graphs in the `gpu` test). Two adapters
+never share KV blocks. The Triton kernels equal the torch path; the server, through the openai
+client, answers the base and two adapters in one burst as their PEFT twins.
 """
 import copy
 from pathlib import Path
@@ -259,25 +263,6 @@ def test_triton_shrink_expand_equal_the_torch_path(out_sizes, rank):
     torch.testing.assert_close(got[1], y[1], rtol=0, atol=0)          # the base model's token
 
 
-def test_triton_backend_serves_adapters(qwen3_loras, record_logits):
-    "The engine on the triton backend (its LoRA kernels), float32: each request's logits ~ PEFT's."
-    path, models = qwen3_loras
-    llm = LLM(path, dtype=torch.float32, enable_lora=True, max_loras=4, max_lora_rank=64,
-              attention_backend='triton', block_size=16)
-    assert llm.engine.lora.kernels.name == 'triton'
-    rows = record_logits(llm)
-    requests = list(models)[::2]                             # the base, 'all' and 'ko'
-    prompts = _prompts(len(requests), length=4, seed=3)
-    outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=2),
-                           lora_request=requests, use_tqdm=False)
-    for prompt, request, out in zip(prompts, requests, outputs):
-        ids = prompt + out.outputs[0].token_ids
-        with torch.no_grad():
-            want = models[request](torch.tensor([ids])).logits[0, len(prompt) - 1:-1]
-        got = torch.stack(rows[tuple(prompt)]).double()
-        torch.testing.assert_close(got, want, rtol=0, atol=1e-4 * want.abs().max().item())
-
-
 def _start_server(path, port, log, *options):
     "`petite-llm serve path --enable-lora ...` in a subprocess, once /health answers."
     import subprocess
@@ -473,3 +458,57 @@ def test_bench_lora_from_the_command_line(tmp_path, capsys):
     assert set(res['tok_s']) == {'base', '0', '2'} and set(res['ratio']) == {'0', '2'}
     assert all(tok_s > 0 for tok_s in res['tok_s'].values())
     assert len(list((tmp_path / 'micro').glob('lora-r4-*/adapter_model.safetensors'))) == 2
+
+
+def _replay_eagerly(fn, pool=None):
+    "Stand-in for capture_cuda_graph on a CPU: replay re-runs fn into the output it first returned."
+    output = fn()
+    return (lambda: output.copy_(fn())), output, object() if pool is None else pool
+
+
+def _graph_parity(llm, models, requests, record_logits):
+    "Each request's logits at every step, with its adapter, against PEFT's (float32 tolerance)."
+    rows = record_logits(llm)
+    prompts = _prompts(len(requests), length=4, seed=9)
+    outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=3),
+                           lora_request=requests, use_tqdm=False)
+    for prompt, request, out in zip(prompts, requests, outputs):
+        ids = prompt + out.outputs[0].token_ids
+        model = models[request]
+        with torch.no_grad():
+            want = model(torch.tensor([ids], device=model.device)).logits[0, len(prompt) - 1:-1]
+        got = torch.stack(rows[tuple(prompt)]).double()
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-4 * want.abs().max().item())
+
+
+def test_decode_graphs_take_the_slots_as_inputs(qwen3_loras, record_logits):
+    "The triton backend (interpreted), stand-in graphs: 3 adapters through 2 slots, PEFT's logits."
+    path, models = qwen3_loras
+    none, qv, all_, mlp, ko = list(models)
+    llm = LLM(path, dtype=torch.float32, enable_lora=True, max_loras=2, max_lora_rank=64,
+              attention_backend='triton', block_size=16, max_num_seqs=2, enforce_eager=True)
+    runner = llm.engine.runner
+    assert llm.engine.lora.kernels.name == 'triton'
+    runner.capture_cuda_graphs(2, llm.engine.max_model_len, capture=_replay_eagerly)
+    replays = []
+    runner.cuda_graphs.graphs = {
+        size: ((lambda r=replay, s=size: (replays.append(s), r())), out)
+        for size, (replay, out) in runner.cuda_graphs.graphs.items()}
+    # a third adapter waits for a slot, then takes one: recorded once, replayed with new slots
+    _graph_parity(llm, models, [qv, all_, ko], record_logits)
+    assert replays and len(llm.engine.lora.slots) == 2
+
+
+@pytest.mark.gpu
+def test_cuda_graphs_with_adapters_match_peft(qwen3_loras, record_logits):
+    "Real CUDA graphs on the triton backend: recorded with LoRA on, PEFT's logits per request."
+    path, models = qwen3_loras
+    none, qv, all_, mlp, ko = list(models)
+    llm = LLM(path, dtype=torch.float32, enable_lora=True, max_loras=2, max_lora_rank=64,
+              attention_backend='triton', block_size=16, max_num_seqs=4, device='cuda')
+    graphs = llm.engine.runner.cuda_graphs
+    assert graphs is not None
+    seconds = graphs.capture_seconds
+    on_gpu = {request: copy.deepcopy(model).cuda() for request, model in models.items()}
+    _graph_parity(llm, on_gpu, [none, qv, all_, ko], record_logits)
+    assert llm.engine.runner.cuda_graphs is graphs and graphs.capture_seconds == seconds

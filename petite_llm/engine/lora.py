@@ -130,7 +130,7 @@ def load_peft_adapter(path_or_id, config: ModelConfig, max_lora_rank: int,
         slices[slice_id] = (lora_a.to(dtype), (lora_b.double() * scaling).to(dtype))
     return adapter
 
-# %% ../../nbs/24_lora.ipynb #3a317732
+# %% ../../nbs/24_lora.ipynb #f49c6451
 def shrink_expand(x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
                   slices: list[tuple[int, int]]) -> torch.Tensor:
     "One adapter on its rows: x [n, in], A [k R, in], B [out, R] -> B_j (A_j x) per slice [n, out]."
@@ -146,6 +146,8 @@ class LoRABatch:
     # [n] the rows of the adapted tokens, slot by slot; None if the batch has them so already
     order: torch.Tensor | None
     groups: list[tuple[int, slice]]           # (slot, its rows of x[order], or of x if no order)
+    # a CUDA graph's batch: slots only known at replay, no groups; every LoRA layer runs
+    in_graph: bool = False
 
     @classmethod
     def build(cls, seq_slots: list[int], num_new_tokens: list[int], device) -> LoRABatch:
@@ -166,6 +168,7 @@ class LoRABatch:
 class LoRAKernels:
     "Adds a step's LoRA deltas to a projection's output: torch, one adapter's rows at a time."
     name = 'torch'
+    capturable = False          # it reads the groups on the host: no CUDA graph can hold it
 
     def add_lora(self, out: torch.Tensor, x: torch.Tensor, layer: LoRALinear,
                  batch: LoRABatch) -> torch.Tensor:
@@ -194,7 +197,7 @@ class OneTokenLoRAKernels(LoRAKernels):
         "One adapter's delta, a product per row [1, in]: the same call whatever the batch."
         return torch.cat([shrink_expand(row, lora_a, lora_b, slices) for row in x.split(1)])
 
-# %% ../../nbs/24_lora.ipynb #e5cb67c5
+# %% ../../nbs/24_lora.ipynb #73a928d5
 class LoRALinear(nn.Module):
     "Any base projection [T, in] -> [T, out], plus each token's adapter by its slot, per slice."
     def __init__(self, base_layer: nn.Module, in_features: int, out_sizes: list[int],
@@ -229,12 +232,12 @@ class LoRALinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         "base_layer(x) [T, out], plus the step's adapters."
         out = self.base_layer(x)
-        if self.step is None or not self.step[1].groups:
-            return out
+        if self.step is None or not (self.step[1].groups or self.step[1].in_graph):
+            return out                                     # no adapter in this step
         kernels, batch = self.step
         return kernels.add_lora(out, x, self, batch)
 
-# %% ../../nbs/24_lora.ipynb #15ca57a6
+# %% ../../nbs/24_lora.ipynb #020d7cd6
 class LoRAManager:
     "The adapters an engine serves: all in host memory, up to max_loras in device slots (LRU)."
     def __init__(self, model: nn.Module, max_loras: int, max_lora_rank: int,
@@ -331,6 +334,10 @@ class LoRAManager:
         slot_of = self.activate(lora_ids)
         return LoRABatch.build([slot_of.get(i, -1) for i in lora_ids], num_new_tokens,
                                self.device)
+
+    def graph_batch(self, token_slots: torch.Tensor) -> LoRABatch:
+        "The batch a CUDA graph records: its static slots [B], read by the kernels at replay."
+        return LoRABatch(token_slots, None, [], in_graph=True)
 
     def set_batch(self, batch: LoRABatch | None):
         "Every LoRA layer runs this step's batch (None: none, the base model alone)."

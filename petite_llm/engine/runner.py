@@ -108,7 +108,7 @@ class ModelRunner:
         "Record the decode step for each batch-size bucket up to max_num_seqs (see CUDAGraphs)."
         self.cuda_graphs = CUDAGraphs(self.backend, max_num_seqs,
                                       cdiv(max_model_len, self.block_size), self.block_size,
-                                      self.device)
+                                      self.device, self.lora)
         self.cuda_graphs.capture(self.forward, capture or capture_cuda_graph)
 
     def _as_tensor(self, values: list[int]) -> torch.Tensor:
@@ -270,7 +270,7 @@ def prepare_models(config: EngineConfig, models: list[nn.Module]):
             make_batch_invariant(model)       # every linear on tiles of a fixed row count
 
 def lora_manager(config: EngineConfig, model: nn.Module, backend: str):
-    "Chapter 24's LoRAManager (LoRA layers, slots, the backend's kernels) if enable_lora, else None."
+    "Chapter 24's LoRAManager (LoRA layers, slots, kernels) if enable_lora, else None."
     if not config.enable_lora:
         return None
     from petite_llm.engine.lora import LoRAKernels, LoRAManager, OneTokenLoRAKernels
@@ -289,8 +289,9 @@ def build_runner(model: nn.Module, config: EngineConfig, sizes: EngineSizes,
     backend = get_attention_backend(config.attention_backend, device, config.batch_invariant)
     runner = ModelRunner(model, sizes.num_blocks, config.block_size, backend,
                          compiled, speculator, workers, lora)
-    # chapter 24: a step with LoRA adapters groups its tokens on the host, so it runs eagerly
-    if (cuda_graphs and not config.enforce_eager and device.type == 'cuda' and lora is None
+    # chapter 24: LoRA's torch path groups a step's tokens on the host; its Triton kernels do not
+    if (cuda_graphs and not config.enforce_eager and device.type == 'cuda'
+            and (lora is None or lora.kernels.capturable)
             and graphs_apply(model, backend)):
         runner.capture_cuda_graphs(sizes.max_num_seqs, sizes.max_model_len)
     return runner
@@ -313,8 +314,9 @@ def capture_cuda_graph(fn: Callable[[], torch.Tensor], pool=None):
 class CUDAGraphs:
     "The decode step recorded once per batch-size bucket, replayed on static, padded inputs."
     def __init__(self, backend: AttentionBackend, max_num_seqs: int, max_blocks: int,
-                 block_size: int, device: torch.device):
+                 block_size: int, device: torch.device, lora=None):
         self.backend, self.max_blocks, self.block_size = backend, max_blocks, block_size
+        self.lora = lora                  # chapter 24: the LoRAManager, or None
         self.batch_sizes = cuda_graph_batch_sizes(max_num_seqs)
         n = self.batch_sizes[-1]
         # every replay reads these addresses; rows past the step's batch are padding
@@ -324,6 +326,8 @@ class CUDAGraphs:
         self.context_lens = torch.zeros(n, dtype=torch.int32, device=device)        # [n]
         self.block_tables = torch.zeros(n, max_blocks, dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
+        # chapter 24: each row's LoRA slot, an input like the others (-1: no adapter)
+        self.lora_slots = torch.full((n,), -1, dtype=torch.long, device=device)
         self.graphs: dict[int, tuple[Callable, torch.Tensor]] = {}   # size -> (replay, hidden)
         self.capture_seconds = 0.0                                   # what recording them took
 
@@ -338,7 +342,8 @@ class CUDAGraphs:
             positions=self.positions[:batch_size],
             num_single_token=batch_size, max_query_len=1, max_context_len=bound,
             query_start_loc_cpu=list(range(batch_size + 1)),
-            context_lens_cpu=[bound] * batch_size, backend=self.backend)
+            context_lens_cpu=[bound] * batch_size, backend=self.backend,
+            lora=self.lora and self.lora.graph_batch(self.lora_slots[:batch_size]))
 
     def capture(self, forward: Callable, capture: Callable = capture_cuda_graph):
         "Record forward(input_ids, positions, metadata) for each bucket, the largest first."
@@ -372,6 +377,9 @@ class CUDAGraphs:
         self.block_tables[:num_seqs, :width].copy_(md.block_tables)
         # a narrower table than an earlier step's: no stale block ids left to the right
         self.block_tables[:num_seqs, width:].zero_()
+        if self.lora is not None:                               # the adapters change, not the graph
+            self.lora_slots[:num_seqs].copy_(md.lora.token_slots)
+            self.lora_slots[num_seqs:batch_size].fill_(-1)
         replay, hidden = self.graphs[batch_size]
         replay()
         return hidden[:num_seqs]

@@ -107,6 +107,7 @@ from ..kernels.lora import lora_expand, lora_shrink
 class TritonLoRAKernels(LoRAKernels):
     "The step's LoRA deltas in two launches over the whole flat batch, each token by its slot."
     name = 'triton'
+    capturable = True           # nothing read back: a CUDA graph replays it on new slots
 
     def add_lora(self, out: torch.Tensor, x: torch.Tensor, layer: nn.Module,
                  batch: LoRABatch) -> torch.Tensor:
