@@ -512,3 +512,14 @@ def test_cuda_graphs_with_adapters_match_peft(qwen3_loras, record_logits):
     on_gpu = {request: copy.deepcopy(model).cuda() for request, model in models.items()}
     _graph_parity(llm, on_gpu, [none, qv, all_, ko], record_logits)
     assert llm.engine.runner.cuda_graphs is graphs and graphs.capture_seconds == seconds
+
+
+def test_a_mixture_of_experts_model_is_refused():
+    "Experts have no per-adapter slices: enable_lora on a MoE model is a ValueError naming it."
+    from petite_llm.model.qwen3 import Qwen3ForCausalLM
+    config = ModelConfig(model_type='qwen3_moe', vocab_size=64, hidden_size=16,
+                         intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                         num_key_value_heads=1, head_dim=8, num_experts=4, num_experts_per_tok=2,
+                         moe_intermediate_size=8, eos_token_id=[1])
+    with pytest.raises(ValueError, match='mixture-of-experts'):
+        LLMEngine(Qwen3ForCausalLM(config), enable_lora=True, kv_cache_memory=2**16)
