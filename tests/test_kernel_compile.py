@@ -20,6 +20,8 @@ from petite_llm.engine.llm_engine import LLMEngine
 from petite_llm.kernels.gpu_compile import (EVERY_VARIANT, GPU_TARGETS, compile_for_gpus,
                                               compile_report, record_launches)
 from petite_llm.model.qwen3 import Qwen3ForCausalLM
+from petite_llm.bench.lora import random_peft_adapter
+from petite_llm.engine.lora import LoRARequest
 from petite_llm.engine.paging import kv_bytes_per_block
 from petite_llm.model.sampling_params import SamplingParams
 
@@ -109,12 +111,33 @@ def record_engine_launches():
                            block_size=BLOCK_SIZE, kv_cache_memory=2**20, max_model_len=256,
                            speculative_config={'method': 'ngram', 'num_speculative_tokens': 3})
         generate(engine, [[3, 4, 5, 6] * 4], max_tokens=6)
+        for layout in (LAYOUTS[1], LAYOUTS[4]):                # chapter 24's LoRA kernels
+            for dtype in (torch.bfloat16, torch.float16):
+                lora_run(layout, dtype)
     return variants
+
+
+def lora_run(layout, dtype, rank=16):
+    "Two adapters and the base model in prefill, mixed and decode steps (chapter 24)."
+    import tempfile
+    engine = LLMEngine(random_model(layout, dtype), attention_backend='triton',
+                       block_size=BLOCK_SIZE, max_num_batched_tokens=32, max_model_len=256,
+                       kv_cache_memory=64 * block_bytes(layout, dtype), enable_lora=True,
+                       max_loras=2, max_lora_rank=rank)
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        for i, prompt in enumerate([[5, 9, 200, 17, 3], list(range(2, 42)), [11, 12, 13]]):
+            path = random_peft_adapter(f'{tmp}/a{i}', layout_config(layout), rank, seed=i)
+            request = LoRARequest(f'a{i}', i, str(path)) if i else None
+            engine.add_request(prompt, params, lora_request=request)
+        while engine.has_unfinished_requests():
+            engine.step()
 
 
 ENGINE_KERNELS = {'_qk_norm_rope_store_kernel', '_unified_attention_kernel', '_silu_and_mul_kernel',
                   '_split_kv_attention_kernel', '_merge_segments_kernel',
-                  '_fused_add_rms_norm_kernel', '_fused_moe_kernel', '_topk_sum_kernel'}
+                  '_fused_add_rms_norm_kernel', '_fused_moe_kernel', '_topk_sum_kernel',
+                  '_lora_shrink_kernel', '_lora_expand_kernel'}
 
 
 def test_every_kernel_the_engine_launches_compiles_for_every_target():

@@ -21,6 +21,7 @@ class Seq:
         self.token_ids = list(token_ids)
         self.num_computed_tokens = 0
         self.block_table = []
+        self.lora_id = 0                  # the base model (chapter 24)
 
 
 def test_pool_sizing():

@@ -31,7 +31,7 @@ class ScriptedEngine:
     def __init__(self, deltas: list[str], running: bool = True, batch_invariant: bool = False,
                  no_grammars: str | None = None):
         self.deltas, self.is_running = deltas, running
-        self.engine = SimpleNamespace(tokenizer=ScriptedTokenizer(), max_model_len=64,
+        self.engine = SimpleNamespace(tokenizer=ScriptedTokenizer(), max_model_len=64, lora=None,
                                       config=SimpleNamespace(batch_invariant=batch_invariant),
                                       choices=SimpleNamespace(structured_outputs=no_grammars))
 

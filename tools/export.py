@@ -39,8 +39,8 @@ PACKAGES = {
                      "layers they share."),
     'engine': ("The engine", "the paged KV pool, scheduler, attention backends (the triton one on "
                "the kernels), the model runner, LLMEngine and LLM, speculative decoding, batch "
-               "invariance and structured outputs. Imports model and kernels, and parallel for "
-               "tensor-parallel workers."),
+               "invariance, structured outputs and LoRA adapters. Imports model and kernels, and "
+               "parallel for tensor-parallel workers."),
     'parallel': ("Tensor parallelism", "sharding, row-parallel layers, collectives and worker "
                  "processes. Imports model and engine."),
     'serve': ("The OpenAI-compatible server", "AsyncLLMEngine, the protocol, the HTTP server, its "

@@ -168,13 +168,20 @@ def cmd_serve(args, parser) -> int:
     if args.no_cache:
         parser.error("serve runs the engine: --no-cache does not apply")
     limits = limits_from_args(args)       # a bad limit is an error before the model loads
+    if args.lora_modules and not args.enable_lora:
+        parser.error("--lora-modules needs --enable-lora")
     import uvicorn
     from petite_llm.engine.llm_engine import LLMEngine
+    from petite_llm.engine.lora import LoRARequest
     from petite_llm.serve.async_engine import AsyncLLMEngine
     from petite_llm.serve.server import build_app
     model = args.model_arg or args.model or default_model()
-    config = engine_config(args, max_model_len=args.max_model_len)
-    engine = AsyncLLMEngine(LLMEngine.from_pretrained(model, config=config))
+    config = engine_config(args, max_model_len=args.max_model_len, enable_lora=args.enable_lora,
+                           max_loras=args.max_loras, max_lora_rank=args.max_lora_rank)
+    llm_engine = LLMEngine.from_pretrained(model, config=config)
+    for lora_id, (name, path) in enumerate(args.lora_modules, start=1):      # chapter 24
+        llm_engine.lora.add(LoRARequest(name, lora_id, path))
+    engine = AsyncLLMEngine(llm_engine)
     name = args.served_model_name or str(model)
     api_key = args.api_key or os.environ.get('PETITE_LLM_API_KEY')
     app = build_app(engine, name, api_key, limits)
@@ -192,14 +199,14 @@ def cmd_serve(args, parser) -> int:
 def bench_modes() -> dict:
     "bench mode -> (add its arguments, run it, what it measures): chapter 18's and chapter 17's."
     # imported when asked for: they load transformers, which the other commands never need
-    from petite_llm.bench import moe, offline, real, serving, structured
+    from petite_llm.bench import lora, moe, offline, real, serving, structured
     return {
         '': (offline.add_arguments, offline.run,
              'Prefill, decode and offline throughput of petite_llm against transformers on the '
              "same weights, and the engine's own kernels per decoder layer and host work per "
              'step (no peer; --only launches,host for those alone, in seconds), and with --only '
              'invariance the cost of --batch-invariant; JSON on stdout. '
-             '`petite-llm bench serve|sweep|speculative|moe|structured --help`: the other '
+             '`petite-llm bench serve|sweep|speculative|moe|structured|lora --help`: the other '
              'workloads.'),
         'serve': (serving.add_arguments, serving.run,
                   'Stream a Poisson workload through the openai client to OpenAI-compatible '
@@ -221,6 +228,10 @@ def bench_modes() -> dict:
                        'Decode throughput of a batch of 32 all under a JSON schema divided by the '
                        'same batch unconstrained, and the time to compile a new schema, on the '
                        'default model; JSON on stdout.'),
+        'lora': (lora.add_lora_arguments, lora.run_lora,
+                 'Decode tok/s of a batch spread over 0, 1, 2, 4 and 8 random LoRA adapters '
+                 '(chapter 24) beside the same batch on an engine without LoRA, on a random '
+                 'checkpoint; JSON on stdout.'),
     }
 
 def cmd_bench(args, parser) -> int:
@@ -280,6 +291,14 @@ def _add_chat(sub):
     add_sampling_args(c)
     c.set_defaults(func=cmd_chat, parser=c)
 
+def _lora_module(text: str) -> tuple[str, str]:
+    "NAME=PATH of --lora-modules as (name, path)."
+    name, _, path = text.partition('=')
+    if not name or not path:
+        raise argparse.ArgumentTypeError(f"expected NAME=PATH (a PEFT adapter's folder or hub "
+                                         f"id), got {text!r}")
+    return name, path
+
 def _add_serve(sub):
     "`petite-llm serve`: the OpenAI-compatible server."
     s = sub.add_parser('serve', help='an OpenAI-compatible HTTP server',
@@ -299,6 +318,16 @@ def _add_serve(sub):
     s.add_argument('--log-level', default='info',
                    choices=['critical', 'error', 'warning', 'info', 'debug'],
                    help="uvicorn's log level (default info)")
+    lora = s.add_argument_group('LoRA adapters (chapter 24)', "each served under its name: a "
+                                "request's `model` picks it")
+    lora.add_argument('--enable-lora', action='store_true', help='serve LoRA adapters')
+    lora.add_argument('--lora-modules', nargs='+', type=_lora_module, default=[],
+                      metavar='NAME=PATH', help="adapters to load at start: PEFT folders or "
+                                                "hub ids (more at run time: /v1/load_lora_adapter)")
+    lora.add_argument('--max-loras', type=int, default=1, metavar='N',
+                      help='adapters in one batch, on the device at once (default 1)')
+    lora.add_argument('--max-lora-rank', type=int, default=16, metavar='R',
+                      help='the largest rank an adapter may have (default 16)')
     add_limit_args(s.add_argument_group('limits', "what one request may ask (chapter 17); past "
                                                    'a limit it gets a 4xx before any work'))
     add_model_args(s)

@@ -35,6 +35,7 @@ class AttentionMetadata:
     query_start_loc_cpu: list[int]  # host-side copies, so that forward never calls .item()
     context_lens_cpu: list[int]
     backend: AttentionBackend       # its forward is what the attention layers call
+    lora: object = None             # chapter 24: each token's LoRA adapter slot, or None
 
     @classmethod
     def build(cls, block_tables: list[list[int]], num_computed_tokens: list[int],

@@ -45,7 +45,7 @@ def _raised(check, *args) -> str | None:
         return str(e)
     return None
 
-COUNTS = ('block_size', 'tensor_parallel_size')                   # positive ints
+COUNTS = ('block_size', 'tensor_parallel_size', 'max_loras', 'max_lora_rank')   # positive ints
 OPTIONAL_COUNTS = ('max_model_len', 'max_num_batched_tokens', 'max_num_seqs', 'kv_cache_memory')
 
 @dataclass(frozen=True)
@@ -78,6 +78,9 @@ class EngineConfig:
     async_scheduling: bool | None = None      # step n+1 scheduled while n runs; None: see overlaps
     batch_invariant: bool = False             # a request's tokens never depend on the batch
     tensor_parallel_size: int = 1             # processes that split the model (chapter 20)
+    enable_lora: bool = False                 # requests may name LoRA adapters (chapter 24)
+    max_loras: int = 1                        # adapters on the device at once
+    max_lora_rank: int = 16                   # the largest rank an adapter may have
 
     def __post_init__(self):
         if problems := self.check():
@@ -138,6 +141,11 @@ class EngineConfig:
             (self.batch_invariant and size > 2,
              f"batch_invariant=True with {tp}={size}: an all-reduce over more than two ranks may "
              f"add their partial sums in an order that changes with the batch; use {tp} 1 or 2"),
+            # chapter 24: the modes LoRA adapters are not served in yet
+            *[(self.enable_lora and bool(value),
+               f"enable_lora=True does not run with {name} yet; turn one of them off")
+              for name, value in ((tp + ' > 1', size > 1),
+                                  ('enable_torch_compile', self.enable_torch_compile))],
         ]
 
     def _target_rules(self, model_config: ModelConfig,

@@ -18,7 +18,8 @@ from .loading import load_engine_model, model_and_device, read_generation_config
 from .outputs import (EngineStats, OutputProcessor, RequestOutput,
                                        SpecDecodingStats, merge_outputs)
 from .paging import BlockManager
-from .runner import StepInFlight, build_runner, compile_model, prepare_models
+from .runner import (StepInFlight, build_runner, compile_model, lora_manager,
+                                      prepare_models)
 from ..model.sampling_params import SamplingParams
 from .scheduler import Scheduler, Sequence
 from .sizing import EngineSizes, size_engine
@@ -79,6 +80,7 @@ class LLMEngine:
             draft = load_draft_model(spec_config, model)     # None for n-gram
         models = [model] + ([draft] if draft is not None else [])
         prepare_models(config, models)
+        self.lora = lora_manager(config, model, choices.attention_backend)   # chapter 24
         sizes = size_engine(config, models)
         self.num_kv_blocks, self.block_size = sizes.num_blocks, config.block_size
         self.kv_cache_memory, self.max_model_len = sizes.kv_cache_memory, sizes.max_model_len
@@ -86,14 +88,16 @@ class LLMEngine:
                                           config.enable_prefix_caching)
         scheduler_type = Scheduler if spec_config is None else SpeculativeScheduler   # chapter 16
         self.scheduler = scheduler_type(self.block_manager, sizes.max_num_batched_tokens,
-                                        sizes.max_num_seqs, sizes.max_model_len, self.eos_token_ids)
+                                        sizes.max_num_seqs, sizes.max_model_len, self.eos_token_ids,
+                                        self.lora and config.max_loras)
         self.speculator = None
         if spec_config is not None:
             # chapter 16: the draft's runner is built as every rank's is, and steps eagerly
             draft_runner = (None if draft is None
                             else build_runner(draft, config, sizes, cuda_graphs=False))
             self.speculator = Speculator(spec_config, draft_runner, sizes.max_model_len)
-        self.runner = build_runner(model, config, sizes, compiled, self.speculator, workers)
+        self.runner = build_runner(model, config, sizes, compiled, self.speculator, workers,
+                                   lora=self.lora)
         log_engine_start(config, sizes, self.runner)
         self.output_processor = OutputProcessor(tokenizer, self.scheduler)
         self._request_ids, self._seq_ids = itertools.count(), itertools.count()
@@ -161,7 +165,7 @@ class LLMEngine:
         return ids
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
-                    priority: int = 0, request_id: str | None = None) -> str:
+                    priority: int = 0, request_id: str | None = None, lora_request=None) -> str:
         "Queue a prompt (text or token ids); return its request id. ValueError if it can never run."
         if params is None:
             params = self.default_sampling_params()
@@ -173,6 +177,10 @@ class LLMEngine:
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         ids = self.encode(prompt)
+        if lora_request is not None and self.lora is None:
+            raise ValueError(f"LoRA adapter {lora_request.lora_name!r} asked for, but LoRA is "
+                             "off: start the engine with enable_lora=True")
+        lora_id = 0 if lora_request is None else self.lora.add(lora_request)
         # n samples: n sequences of one group, each with its own seed (SamplingParams.for_sample)
         seqs = []
         for i in range(params.n):
@@ -182,6 +190,7 @@ class LLMEngine:
                                  group_id=group_id))
         try:
             for seq in seqs:
+                seq.lora_id = lora_id
                 self.scheduler.check(seq)
             if params.structured_outputs is not None:
                 # chapter 22: held until its grammar compiles (ValueError if it cannot)
@@ -293,8 +302,8 @@ class LLM:
         "Stop the engine's worker processes, if it has any (tensor parallelism, chapter 20)."
         self.engine.shutdown()
 
-    def generate(self, prompts, sampling_params=None, priority=None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+    def generate(self, prompts, sampling_params=None, priority=None, use_tqdm: bool = True,
+                 lora_request=None) -> list[RequestOutput]:
         "Generate for one prompt or a list (text or token ids), batched together; outputs in order."
         if isinstance(prompts, str) or _is_token_ids(prompts):
             prompts = [prompts]
@@ -304,16 +313,17 @@ class LLM:
         else:
             params = [sampling_params] * len(prompts)
         priority = [0] * len(prompts) if priority is None else list(priority)
-        if not len(params) == len(priority) == len(prompts):
-            raise ValueError(f"got {len(prompts)} prompts, {len(params)} sampling_params and "
-                             f"{len(priority)} priorities: pass one SamplingParams (or one per "
-                             "prompt) and one priority per prompt")
+        loras = lora_request if isinstance(lora_request, list) else [lora_request] * len(prompts)
+        if not len(params) == len(priority) == len(loras) == len(prompts):
+            raise ValueError(f"got {len(prompts)} prompts, {len(params)} sampling_params, "
+                             f"{len(priority)} priorities, {len(loras)} lora_requests: pass one "
+                             "SamplingParams and LoRARequest or one per prompt, a priority each")
         ids = []
         try:
-            for prompt, sp, prio in zip(prompts, params, priority):
+            for prompt, sp, prio, lora in zip(prompts, params, priority, loras):
                 # only the final output is read: no copy of a completion at every step (vLLM's too)
                 sp = replace(sp or self.engine.default_sampling_params(), output_kind='final_only')
-                ids.append(self._add_request(prompt, sp, prio))
+                ids.append(self._add_request(prompt, sp, prio, lora))
         except Exception:
             # all or nothing: none of this call's requests stays queued, nor is reported
             for request_id in ids:
@@ -322,9 +332,9 @@ class LLM:
             raise
         return self._run(ids, use_tqdm)
 
-    def _add_request(self, prompt, params: SamplingParams | None, priority: int) -> str:
+    def _add_request(self, prompt, params: SamplingParams | None, priority: int, lora=None) -> str:
         "Queue a request in the engine and open its output slot; its id."
-        request_id = self.engine.add_request(prompt, params, priority)
+        request_id = self.engine.add_request(prompt, params, priority, lora_request=lora)
         self._unread[request_id] = None
         return request_id
 

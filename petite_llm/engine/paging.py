@@ -16,8 +16,8 @@ import torch
 from ..model.kv_cache import kv_bytes_per_token
 
 # %% auto #0
-__all__ = ['cdiv', 'kv_bytes_per_block', 'num_kv_blocks', 'allocate_kv_cache', 'zeros', 'hash_block', 'Block', 'BlockManager',
-           'check_block_accounting']
+__all__ = ['cdiv', 'kv_bytes_per_block', 'num_kv_blocks', 'allocate_kv_cache', 'zeros', 'hash_block', 'prefix_root', 'Block',
+           'BlockManager', 'check_block_accounting']
 
 # %% ../../nbs/11_paged_blocks.ipynb #aa30035e
 def cdiv(a: int, b: int) -> int:
@@ -70,6 +70,11 @@ def hash_block(parent: int | None, token_ids) -> int:
     h.update((parent if parent is not None else 0).to_bytes(16, 'little'))
     h.update(array('q', token_ids).tobytes())
     return int.from_bytes(h.digest(), 'little')
+
+def prefix_root(seq) -> int | None:
+    "The hash a sequence's block chain starts from: None for the base model, or its adapter's."
+    # two LoRA adapters give the same tokens different K/V: their chains must never meet (ch. 24)
+    return hash_block(None, (-seq.lora_id,)) if seq.lora_id else None
 
 # %% ../../nbs/11_paged_blocks.ipynb #e23faf02
 @dataclass(eq=False)
@@ -131,7 +136,7 @@ class BlockManager:
         "Cached blocks holding a verified prefix of seq, never the block of its last token."
         if not self.enable_prefix_caching:
             return []
-        bs, hits, h = self.block_size, [], None
+        bs, hits, h = self.block_size, [], prefix_root(seq)
         for i in range((len(seq.token_ids) - 1) // bs):
             tokens = tuple(seq.token_ids[i * bs:(i + 1) * bs])
             h = hash_block(h, tokens)
@@ -187,7 +192,7 @@ class BlockManager:
         i = num_full
         while i > 0 and self.blocks[table[i - 1]].hash is None:
             i -= 1
-        h = self.blocks[table[i - 1]].hash if i else None
+        h = self.blocks[table[i - 1]].hash if i else prefix_root(seq)
         for j in range(i, num_full):
             block, tokens = self.blocks[table[j]], tuple(seq.token_ids[j * bs:(j + 1) * bs])
             h = hash_block(h, tokens)

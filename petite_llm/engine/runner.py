@@ -5,7 +5,7 @@
 from __future__ import annotations
 
 # %% auto 0
-__all__ = ['ModelRunnerOutput', 'ModelRunner', 'StepInFlight', 'graphs_apply', 'prepare_models', 'build_runner', 'OPAQUE_ATTENTION', 'cuda_graph_batch_sizes', 'capture_cuda_graph', 'CUDAGraphs', 'step_attention', 'OpaqueAttention', 'compile_model', 'run_compiled']
+__all__ = ['ModelRunnerOutput', 'ModelRunner', 'StepInFlight', 'graphs_apply', 'prepare_models', 'lora_manager', 'build_runner', 'OPAQUE_ATTENTION', 'cuda_graph_batch_sizes', 'capture_cuda_graph', 'CUDAGraphs', 'step_attention', 'OpaqueAttention', 'compile_model', 'run_compiled']
 
 # %% ../../nbs/14_engine.ipynb #e683d599
 # petite_llm.engine.runner: the model runner: tensors, forward, sampling, CUDA graphs
@@ -40,7 +40,7 @@ class ModelRunner:
     "Owns the model and its KV pool: SchedulerOutput → tensors → forward pass → sampled tokens."
     def __init__(self, model, num_blocks: int, block_size: int,
                  backend: AttentionBackend | None = None, compiled: Callable | None = None,
-                 speculator=None, workers=None):
+                 speculator=None, workers=None, lora=None):
         self.model, self.block_size = model, block_size
         self.device = next(model.parameters()).device
         # [num_blocks, block_size, nkv, hd] per layer, K and V
@@ -56,11 +56,14 @@ class ModelRunner:
         self.speculator = speculator      # chapter 16's Speculator, for steps that verify drafts
         self.cuda_graphs: CUDAGraphs | None = None    # recorded by capture_cuda_graphs
         self.workers = workers            # chapter 20: the other ranks, sent each step's inputs
+        self.lora = lora                  # chapter 24: the LoRAManager of the adapters, or None
 
     def step_inputs(self, scheduled: SchedulerOutput) -> tuple:
         "The step as lists (block tables, token counts, ids, logits rows), sent to other ranks."
         step = ([seq.block_table for seq in scheduled.seqs], scheduled.num_computed_tokens,
                 scheduled.num_new_tokens, scheduled.input_ids, scheduled.logits_indices)
+        if self.lora is not None:         # chapter 24: each sequence's adapter
+            step += ([seq.lora_id for seq in scheduled.seqs],)
         if self.workers is not None:
             self.workers.broadcast_step(step)
         return step
@@ -70,10 +73,13 @@ class ModelRunner:
         return self.prepare_step(*self.step_inputs(scheduled))
 
     def prepare_step(self, block_tables: list[list[int]], num_computed_tokens: list[int],
-                     num_new_tokens: list[int], input_ids: list[int], logits_indices: list[int]):
+                     num_new_tokens: list[int], input_ids: list[int], logits_indices: list[int],
+                     lora_ids: list[int] | None = None):
         "prepare's tensors from the step's lists: what a step needs beyond the model and its pool."
         attn_metadata = self.backend.build_metadata(block_tables, num_computed_tokens,
                                                     num_new_tokens, self.block_size, self.device)
+        if lora_ids is not None:
+            attn_metadata.lora = self.lora.batch(lora_ids, num_new_tokens)
         return (self._as_tensor(input_ids), attn_metadata.positions, attn_metadata,
                 self._as_tensor(logits_indices))
 
@@ -84,6 +90,8 @@ class ModelRunner:
         # model outlives a dropped engine without keeping its whole pool alive
         for layer, kv_cache in zip(self.attn_layers, self.kv_caches):
             layer.kv_cache = kv_cache
+        if self.lora is not None:
+            self.lora.set_batch(attn_metadata.lora)     # the LoRA layers' step, taken back too
         try:
             if self.compiled is not None:
                 return run_compiled(self.compiled, input_ids, positions, attn_metadata)
@@ -91,6 +99,8 @@ class ModelRunner:
         finally:
             for layer in self.attn_layers:
                 layer.kv_cache = None
+            if self.lora is not None:
+                self.lora.set_batch(None)
 
     @torch.inference_mode()
     def capture_cuda_graphs(self, max_num_seqs: int, max_model_len: int,
@@ -98,7 +108,7 @@ class ModelRunner:
         "Record the decode step for each batch-size bucket up to max_num_seqs (see CUDAGraphs)."
         self.cuda_graphs = CUDAGraphs(self.backend, max_num_seqs,
                                       cdiv(max_model_len, self.block_size), self.block_size,
-                                      self.device)
+                                      self.device, self.lora)
         self.cuda_graphs.capture(self.forward, capture or capture_cuda_graph)
 
     def _as_tensor(self, values: list[int]) -> torch.Tensor:
@@ -266,15 +276,29 @@ def prepare_models(config: EngineConfig, models: list[nn.Module]):
         for model in models:
             make_batch_invariant(model)       # every linear on tiles of a fixed row count
 
+def lora_manager(config: EngineConfig, model: nn.Module, backend: str):
+    "Chapter 24's LoRAManager (LoRA layers, slots, kernels) if enable_lora, else None."
+    if not config.enable_lora:
+        return None
+    from petite_llm.engine.lora import LoRAKernels, LoRAManager, OneTokenLoRAKernels
+    # batch invariance (chapter 21): the torch path one token at a time
+    kernels = OneTokenLoRAKernels() if config.batch_invariant else LoRAKernels()
+    if backend == 'triton':               # two launches over the batch, each token alone
+        from petite_llm.engine.triton_backend import TritonLoRAKernels
+        kernels = TritonLoRAKernels()
+    return LoRAManager(model, config.max_loras, config.max_lora_rank, kernels)
+
 def build_runner(model: nn.Module, config: EngineConfig, sizes: EngineSizes,
                  compiled: Callable | None = None, speculator=None, workers=None,
-                 cuda_graphs: bool = True) -> ModelRunner:
+                 cuda_graphs: bool = True, lora=None) -> ModelRunner:
     "A runner built alike for rank 0, each worker and a draft: backend, KV pool, CUDA graphs."
     device = next(model.parameters()).device
     backend = get_attention_backend(config.attention_backend, device, config.batch_invariant)
     runner = ModelRunner(model, sizes.num_blocks, config.block_size, backend,
-                         compiled, speculator, workers)
+                         compiled, speculator, workers, lora)
+    # chapter 24: LoRA's torch path groups a step's tokens on the host; its Triton kernels do not
     if (cuda_graphs and not config.enforce_eager and device.type == 'cuda'
+            and (lora is None or lora.kernels.capturable)
             and graphs_apply(model, backend)):
         runner.capture_cuda_graphs(sizes.max_num_seqs, sizes.max_model_len)
     return runner
@@ -297,8 +321,9 @@ def capture_cuda_graph(fn: Callable[[], torch.Tensor], pool=None):
 class CUDAGraphs:
     "The decode step recorded once per batch-size bucket, replayed on static, padded inputs."
     def __init__(self, backend: AttentionBackend, max_num_seqs: int, max_blocks: int,
-                 block_size: int, device: torch.device):
+                 block_size: int, device: torch.device, lora=None):
         self.backend, self.max_blocks, self.block_size = backend, max_blocks, block_size
+        self.lora = lora                  # chapter 24: the LoRAManager, or None
         self.batch_sizes = cuda_graph_batch_sizes(max_num_seqs)
         n = self.batch_sizes[-1]
         # every replay reads these addresses; rows past the step's batch are padding
@@ -308,6 +333,8 @@ class CUDAGraphs:
         self.context_lens = torch.zeros(n, dtype=torch.int32, device=device)        # [n]
         self.block_tables = torch.zeros(n, max_blocks, dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
+        # chapter 24: each row's LoRA slot, an input like the others (-1: no adapter)
+        self.lora_slots = torch.full((n,), -1, dtype=torch.long, device=device)
         self.graphs: dict[int, tuple[Callable, torch.Tensor]] = {}   # size -> (replay, hidden)
         self.capture_seconds = 0.0                                   # what recording them took
 
@@ -322,7 +349,8 @@ class CUDAGraphs:
             positions=self.positions[:batch_size],
             num_single_token=batch_size, max_query_len=1, max_context_len=bound,
             query_start_loc_cpu=list(range(batch_size + 1)),
-            context_lens_cpu=[bound] * batch_size, backend=self.backend)
+            context_lens_cpu=[bound] * batch_size, backend=self.backend,
+            lora=self.lora and self.lora.graph_batch(self.lora_slots[:batch_size]))
 
     def capture(self, forward: Callable, capture: Callable = capture_cuda_graph):
         "Record forward(input_ids, positions, metadata) for each bucket, the largest first."
@@ -356,6 +384,9 @@ class CUDAGraphs:
         self.block_tables[:num_seqs, :width].copy_(md.block_tables)
         # a narrower table than an earlier step's: no stale block ids left to the right
         self.block_tables[:num_seqs, width:].zero_()
+        if self.lora is not None:                               # the adapters change, not the graph
+            self.lora_slots[:num_seqs].copy_(md.lora.token_slots)
+            self.lora_slots[num_seqs:batch_size].fill_(-1)
         replay, hidden = self.graphs[batch_size]
         replay()
         return hidden[:num_seqs]

@@ -43,6 +43,7 @@ class Sequence:
         self.block_table: list[int] = []
         self.stop_ids: set[int] = set()   # eos and stop token ids, set by Scheduler.add
         self.grammar = None            # its grammar's matcher, if constrained (chapter 22)
+        self.lora_id = 0               # its LoRA adapter's id, 0 for the base model (chapter 24)
         # drafts its next decode verifies (chapter 16): assigned whole, never changed in place
         self.spec_token_ids: list[int] = []
         self.arrival = -1              # set by Scheduler.add: first come, first served
@@ -153,7 +154,8 @@ class SchedulerStats:
 class Scheduler:
     "Continuous batching over a BlockManager: chunked prefill, preemption by recompute, priorities."
     def __init__(self, block_manager: BlockManager, max_num_batched_tokens: int = 2048,
-                 max_num_seqs: int = 256, max_model_len: int = 4096, eos_token_ids=()):
+                 max_num_seqs: int = 256, max_model_len: int = 4096, eos_token_ids=(),
+                 max_loras: int | None = None):
         if max_num_seqs < 1 or max_num_batched_tokens < max_num_seqs:
             raise ValueError(f"need 1 <= max_num_seqs <= max_num_batched_tokens, "
                              f"got max_num_seqs={max_num_seqs}, "
@@ -163,6 +165,7 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
         self.max_model_len, self.eos_token_ids = max_model_len, tuple(eos_token_ids)
+        self.max_loras = max_loras            # LoRA adapters running at once (chapter 24)
         self.waiting: list[Sequence] = []     # most urgent first
         self.running: list[Sequence] = []
         self.seqs: dict[int, Sequence] = {}   # every unfinished sequence, by id
@@ -235,6 +238,13 @@ class Scheduler:
         return any(s.group_id == seq.group_id and s.num_computed_tokens < shareable
                    for s in self.running)
 
+    def _no_lora_slot(self, seq: Sequence) -> bool:
+        "True if seq's adapter would be one more than the max_loras the device holds at once."
+        if self.max_loras is None or not seq.lora_id:
+            return False
+        running = {s.lora_id for s in self.running} - {0}
+        return seq.lora_id not in running and len(running) >= self.max_loras
+
     def _num_new_tokens(self, seq: Sequence, budget: int) -> int:
         "Tokens seq computes this step (budget > 0): a prefill chunk, its decode's token, or none."
         if seq.num_pending and self._at_length(seq, seq.num_tokens):
@@ -275,6 +285,8 @@ class Scheduler:
             seq = self.waiting[0]
             if seq.seq_id in self._preempted or self._sibling_prefilling(seq):
                 break                             # no preempt-and-readmit in one step
+            if self._no_lora_slot(seq):
+                break                             # its adapter waits for one to finish
             if not self._make_room(seq, lambda: bm.can_allocate(seq), scheduled):
                 break
             self.waiting.pop(0)

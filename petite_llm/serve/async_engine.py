@@ -162,9 +162,9 @@ class AsyncLLMEngine:
             self._send(request_id, slot, slot.fail, error)
         self._slots.clear()
 
-    def _add(self, prompt, params, priority, request_id, slot) -> str:
+    def _add(self, prompt, params, priority, request_id, slot, lora_request=None) -> str:
         "Engine thread: add the request (a ValueError goes to the caller) and open its slot."
-        request_id = self.engine.add_request(prompt, params, priority, request_id)
+        request_id = self.engine.add_request(prompt, params, priority, request_id, lora_request)
         self._slots[request_id] = slot
         slot.overflow = lambda: self._abort_quietly(request_id)    # a reader too far behind
         return request_id
@@ -194,10 +194,12 @@ class AsyncLLMEngine:
     async def generate(self, prompt: str | list[int], sampling_params: SamplingParams | None = None,
                        request_id: str | None = None,
                        priority: int = 0, max_unread_tokens: int | None = None,
-                       max_unread_seconds: float | None = None) -> AsyncIterator[RequestOutput]:
+                       max_unread_seconds: float | None = None,
+                       lora_request=None) -> AsyncIterator[RequestOutput]:
         "Stream one request's outputs, each with what is new; stopping early aborts the request."
         slot = _Slot(asyncio.get_running_loop(), max_unread_tokens, max_unread_seconds)
-        future = self._submit(self._add, prompt, sampling_params, priority, request_id, slot)
+        future = self._submit(self._add, prompt, sampling_params, priority, request_id, slot,
+                              lora_request)
         try:
             request_id = await asyncio.wrap_future(future)   # add_request's ValueError rises here
         except asyncio.CancelledError:
@@ -233,6 +235,22 @@ class AsyncLLMEngine:
     def is_running(self) -> bool:
         "True while the engine thread runs: False once shut down or after a step failed."
         return self._thread.is_alive()
+
+    async def add_lora(self, lora_request) -> int:
+        "Register a LoRA adapter (chapter 24) in the engine thread; ValueError if it cannot be."
+        return await self._call(self.engine.lora.add, lora_request)
+
+    async def remove_lora(self, lora_id: int) -> bool:
+        "Forget a LoRA adapter in the engine thread; ValueError while a request still uses it."
+        return await self._call(self._remove_lora, lora_id)
+
+    def _remove_lora(self, lora_id: int) -> bool:
+        "Engine thread: remove_lora's work."
+        users = sum(seq.lora_id == lora_id for seq in self.engine.scheduler.seqs.values())
+        if users:
+            raise ValueError(f"{users} request(s) still run with this adapter: unload it when "
+                             "they have finished")
+        return self.engine.lora.remove(lora_id)
 
     async def get_stats(self):
         "The engine's counters (EngineStats), read in the engine thread between two steps."

@@ -40,11 +40,19 @@ class ServerMetrics:
                               buckets=_BUCKETS, registry=r)
         self.e2e = Histogram(p + 'e2e_request_latency_seconds', 'Arrival to finish',
                              buckets=_BUCKETS, registry=r)
+        # chapter 24: the finished requests and their generated tokens, per LoRA adapter
+        self.lora_requests = Counter(p + 'lora_requests', 'Finished requests per LoRA adapter',
+                                     ['lora_name'], registry=r)
+        self.lora_tokens = Counter(p + 'lora_generation_tokens',
+                                   'Generated tokens per LoRA adapter', ['lora_name'], registry=r)
         ProcessCollector(registry=r)      # process_resident_memory_bytes, CPU seconds, ...
         self._preemptions_seen = 0
 
-    def observe(self, out: RequestOutput):
-        "Count a finished request's tokens and record its latencies."
+    def observe(self, out: RequestOutput, lora_name: str | None = None):
+        "Count a finished request's tokens (also under its LoRA adapter) and record its latencies."
+        if lora_name is not None:
+            self.lora_requests.labels(lora_name).inc()
+            self.lora_tokens.labels(lora_name).inc(out.metrics.num_output_tokens)
         self.prompt_tokens.inc(len(out.prompt_token_ids))
         self.generation_tokens.inc(out.metrics.num_output_tokens)   # every completion's
         m = out.metrics

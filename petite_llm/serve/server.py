@@ -59,9 +59,12 @@ class _Server:
         self.metrics = ServerMetrics()
 
     def check_model(self, model: str | None):
-        "404 unless the request names the served model."
-        if model is not None and model != self.name:
-            raise APIError(404, f"The model `{model}` does not exist.", 'NotFoundError',
+        "The LoRA adapter a request's model names (None: the served model); 404 for another name."
+        if model is None or model == self.name:
+            return None
+        if self.llm.lora is not None and model in self.llm.lora.names:    # chapter 24
+            return self.llm.lora.request(model)
+        raise APIError(404, f"The model `{model}` does not exist.", 'NotFoundError',
                            'model', 'model_not_found')
 
     async def encode(self, prompt, add_special_tokens: bool = True) -> list[int]:
@@ -92,22 +95,23 @@ class _Server:
     def token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
-    async def outputs(self, ids: list[int], params: SamplingParams, request_id: str):
-        "The engine's outputs for one prompt; a finished request goes to the metrics."
+    async def outputs(self, ids: list[int], params: SamplingParams, request_id: str, lora=None):
+        "The engine's outputs for one prompt (with a LoRA adapter); a finished one to the metrics."
         gen = self.engine.generate(ids, params, request_id,
                                    max_unread_tokens=self.limits.stream_backlog_tokens,
-                                   max_unread_seconds=self.limits.stream_backlog_seconds)
+                                   max_unread_seconds=self.limits.stream_backlog_seconds,
+                                   lora_request=lora)
         try:
             async for out in gen:
                 if out.finished:
-                    self.metrics.observe(out)
+                    self.metrics.observe(out, lora and lora.lora_name)
                 yield out
         finally:
             await gen.aclose()                # early exit (a client gone): the request aborts
 
-    async def start(self, ids: list[int], params: SamplingParams, request_id: str):
+    async def start(self, ids: list[int], params: SamplingParams, request_id: str, lora=None):
         "Open a stream and await its first output, so that the engine's ValueError is a 400."
-        stream = self.outputs(ids, params, request_id)
+        stream = self.outputs(ids, params, request_id, lora)
         try:
             return stream, await stream.__anext__()
         except ValueError as e:
@@ -128,9 +132,9 @@ class _Server:
             if not task.done():
                 task.cancel()
 
-    async def final(self, ids: list[int], params: SamplingParams, request_id: str):
+    async def final(self, ids: list[int], params: SamplingParams, request_id: str, lora=None):
         "The last output of one prompt: the whole completions."
-        stream, out = await self.start(ids, params, request_id)
+        stream, out = await self.start(ids, params, request_id, lora)
         async with aclosing(stream):
             async for out in stream:
                 pass
@@ -200,7 +204,7 @@ async def _sse_events(head: dict, include_usage: bool, prompt_tokens: int, strea
 
 async def create_completion(server: _Server, req: CompletionRequest):
     "POST /v1/completions: choice i * n + j is sample j of prompt i."
-    server.check_model(req.model)
+    lora = server.check_model(req.model)
     prompts = req.prompt
     if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
         prompts = [prompts]
@@ -225,7 +229,7 @@ async def create_completion(server: _Server, req: CompletionRequest):
 
     if not req.stream:
         try:
-            outs = await asyncio.gather(*[server.final(i, p, f"{rid}-{k}")
+            outs = await asyncio.gather(*[server.final(i, p, f"{rid}-{k}", lora)
                                           for k, (i, p) in enumerate(zip(ids, params))])
         except ValueError as e:
             raise APIError(400, str(e)) from None
@@ -235,13 +239,13 @@ async def create_completion(server: _Server, req: CompletionRequest):
         completion = sum(len(c.token_ids) for out in outs for c in out.outputs)
         return dict(**head, choices=choices, usage=_usage(sum(map(len, ids)), completion))
 
-    first = await server.start(ids[0], params[0], f"{rid}-0")
+    first = await server.start(ids[0], params[0], f"{rid}-0", lora)
 
     async def streams():
         "The prompts' engine streams in turn, each with its first output (the first's is awaited)."
         yield first
         for k in range(1, len(ids)):
-            yield await server.start(ids[k], params[k], f"{rid}-{k}")
+            yield await server.start(ids[k], params[k], f"{rid}-{k}", lora)
 
     def delta_choice(k, c, lps):
         return choice(k * req.n + c.index, c, c.delta_text, c.delta_token_ids, lps,
@@ -280,7 +284,7 @@ def _chat_delta(splitter: ThinkSplitter, c, calls: ToolCallStream | None) -> dic
 
 async def create_chat_completion(server: _Server, req: ChatRequest):
     "POST /v1/chat/completions: n replies to one conversation; Qwen3's thinking split off."
-    server.check_model(req.model)
+    lora = server.check_model(req.model)
     server.limits.check_n(req.n)
     server.limits.check_logprobs(req.top_logprobs, 'top_logprobs')
     if req.top_logprobs and not req.logprobs:
@@ -302,7 +306,7 @@ async def create_chat_completion(server: _Server, req: ChatRequest):
         return None if k is None else _chat_logprobs(server, token_ids, lps, k)
 
     if not req.stream:
-        out = await server.final(ids, params, rid)
+        out = await server.final(ids, params, rid, lora)
         choices = []
         for c in out.outputs:
             reasoning, content = split_reasoning(c.text)
@@ -317,7 +321,7 @@ async def create_chat_completion(server: _Server, req: ChatRequest):
         return dict(id=rid, object='chat.completion', created=created, model=server.name,
                     choices=choices, usage=usage)
 
-    first = await server.start(ids, params, rid)
+    first = await server.start(ids, params, rid, lora)
 
     async def streams():
         yield first
@@ -378,7 +382,11 @@ def _add_status_routes(app: FastAPI, server: _Server, guarded: list):
                     owned_by='petite_llm', max_model_len=server.max_model_len,
                     batch_invariant=server.llm.config.batch_invariant,
                     structured_outputs=server.llm.choices.structured_outputs is None)
-        return dict(object='list', data=[card])
+        # chapter 24: each LoRA adapter, a model of its own whose parent is the served one
+        loras = [dict(id=r.lora_name, object='model', created=card['created'],
+                      owned_by='petite_llm', parent=server.name, root=r.lora_path)
+                 for r in (server.llm.lora.requests() if server.llm.lora else [])]
+        return dict(object='list', data=[card, *loras])
 
     @app.get('/metrics')
     async def metrics():
@@ -423,4 +431,6 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str, api_key: str | Non
     guarded = [Depends(_key_check(api_key))]
     _add_status_routes(app, server, guarded)
     _add_model_routes(app, server, guarded)
+    from petite_llm.serve.lora import add_lora_routes     # chapter 24
+    add_lora_routes(app, server, guarded)
     return app
