@@ -29,7 +29,7 @@ MODULE_DOC = re.compile(r'^# petite_llm\.([\w.]+): (.+)$', re.M)
 # that export into it: what lives there, and which parts it may import (one way: cli -> bench ->
 # serve -> engine and parallel -> model -> kernels; tools/import_graph.py checks it)
 PACKAGES = {
-    'kernels': ("The Triton kernels", "paged attention, the fused layer ops, the fused experts and "
+    'kernels': ("The Triton kernels", "paged attention, the fused layer ops, the fused experts, matmuls on GGUF's packed codes and "
                 "their ahead-of-time compile check, each a function of tensors and ints. Imports no "
                 "other part."),
     'model': ("The model", "config, layers, Qwen3 and its mixture of experts, weights, "
