@@ -188,12 +188,14 @@ def test_gguf_quantization_needs_a_gguf(tmp_path):
 
 
 @pytest.mark.cpu_paths
-def test_smollm2_runs_packed_by_default_in_bf16():
+def test_smollm2_runs_packed_by_default_where_a_kernel_reads_it():
     "The default model, as the CLI loads it: its Q4_1 projections in the int4 kernel where it runs."
     llm = LLM(smollm2_gguf_path(), kv_cache_memory=1 << 22, max_model_len=64)
-    kinds = {type(m).__name__ for m in llm.engine.model.modules()}
-    expected = 'Int4Linear' if int4_kernel_available(torch.bfloat16) else 'PackedLinear'
-    assert expected in kinds
+    model = llm.engine.model
+    packed = any(isinstance(m, (QuantLinear, Int4Linear)) for m in model.modules())
+    assert packed == int4_kernel_available(next(model.parameters()).dtype)
+    assert packed == any(isinstance(m, Int4Linear) for m in model.modules())
+    assert not any(isinstance(m, QuantLinear) for m in model.modules())     # all prepacked
     out = llm.generate(['The capital of France is'], SamplingParams(temperature=0, max_tokens=4),
                        use_tqdm=False)[0]
     assert 'Paris' in out.text
