@@ -35,8 +35,8 @@ class LlamaCppPeer:
         try:
             from llama_cpp import Llama
         except ImportError as e:
-            raise ImportError("the llama.cpp peer needs llama-cpp-python, a benchmark-only extra "
-                              "that builds llama.cpp from source (minutes): "
+            raise ImportError(f"the llama.cpp peer needs llama-cpp-python ({e}), a benchmark-only "
+                              "extra that builds llama.cpp from source (minutes): "
                               "pip install llama-cpp-python") from e
         self.llm = Llama(str(path), n_threads=threads, n_threads_batch=threads, n_ctx=n_ctx,
                          verbose=False)
