@@ -19,6 +19,7 @@ from petite_llm.model.config import ModelConfig
 from petite_llm.engine.llm_engine import LLMEngine
 from petite_llm.kernels.gpu_compile import (EVERY_VARIANT, GPU_TARGETS, compile_for_gpus,
                                               compile_report, record_launches)
+from petite_llm.kernels.quant import quant_matmul
 from petite_llm.model.qwen3 import Qwen3ForCausalLM
 from petite_llm.bench.lora import random_peft_adapter
 from petite_llm.engine.lora import LoRARequest
@@ -114,6 +115,7 @@ def record_engine_launches():
         for layout in (LAYOUTS[1], LAYOUTS[4]):                # chapter 24's LoRA kernels
             for dtype in (torch.bfloat16, torch.float16):
                 lora_run(layout, dtype)
+        record_quant_launches()
     return variants
 
 
@@ -134,10 +136,30 @@ def lora_run(layout, dtype, rank=16):
             engine.step()
 
 
+def record_quant_launches(out_features=128, in_features=512):
+    "Chapter 19's matmuls on GGUF codes: each layout, the GEMV and both GEMM tiles, bf16, fp16."
+    # (bits, group, offset, min): Q4_0; Q4_1 and Q4_K; Q5_0 and Q8_0; Q5_1 and Q5_K; Q6_K;
+    # a stack of Q4_K and Q6_K parts
+    layouts = [(4, 32, 8, False), (4, 32, 0, True), (8, 32, 0, False), (8, 32, 0, True),
+               (8, 16, 0, False), (8, 16, 0, True)]
+    for bits, group, offset, has_min in layouts:
+        codes = torch.zeros(out_features, in_features * bits // 8,
+                            dtype=torch.uint8 if bits == 4 else torch.int8)
+        scales = torch.ones(out_features, in_features // group)
+        mins = torch.zeros_like(scales) if has_min else None
+        for dtype, rows in [(torch.bfloat16, 1), (torch.bfloat16, 64), (torch.float16, 8)]:
+            quant_matmul(torch.ones(rows, in_features, dtype=dtype), codes, scales, mins, None,
+                         bits, group, offset)
+    bias = torch.zeros(out_features, dtype=torch.bfloat16)        # Qwen2's q/k/v have biases
+    quant_matmul(torch.ones(1, in_features, dtype=torch.bfloat16), codes, scales, mins, bias,
+                 bits, group, offset)
+
+
 ENGINE_KERNELS = {'_qk_norm_rope_store_kernel', '_unified_attention_kernel', '_silu_and_mul_kernel',
                   '_split_kv_attention_kernel', '_merge_segments_kernel',
                   '_fused_add_rms_norm_kernel', '_fused_moe_kernel', '_topk_sum_kernel',
-                  '_lora_shrink_kernel', '_lora_expand_kernel'}
+                  '_lora_shrink_kernel', '_lora_expand_kernel',
+                  '_quant_gemv_kernel', '_quant_gemm_kernel'}
 
 
 def test_every_kernel_the_engine_launches_compiles_for_every_target():

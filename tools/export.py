@@ -29,9 +29,9 @@ MODULE_DOC = re.compile(r'^# petite_llm\.([\w.]+): (.+)$', re.M)
 # that export into it: what lives there, and which parts it may import (one way: cli -> bench ->
 # serve -> engine and parallel -> model -> kernels; tools/import_graph.py checks it)
 PACKAGES = {
-    'kernels': ("The Triton kernels", "paged attention, the fused layer ops, the fused experts and "
-                "their ahead-of-time compile check, each a function of tensors and ints. Imports no "
-                "other part."),
+    'kernels': ("The Triton kernels", "paged attention, the fused layer ops, the fused experts, "
+                "matmuls on GGUF's packed codes, LoRA's shrink and expand, and their ahead-of-time "
+                "compile check, each a function of tensors and ints. Imports no other part."),
     'model': ("The model", "config, layers, Qwen3 and its mixture of experts, weights, "
               "quantization, tokenizer, sampling, generation without an engine (the loop, then "
               "with a contiguous KV cache), and what this CPU computes. Imports no other part."),

@@ -63,8 +63,10 @@ def add_model_args(p: argparse.ArgumentParser):
                         "itself, a model path or id drafts with that model")
     g.add_argument('--num-speculative-tokens', type=int, default=4, metavar='K',
                    help='tokens proposed per step with --speculative (default 4)')
-    g.add_argument('--quantization', choices=['int8'],
-                   help='int8 weights, one scale per output row (chapter 19)')
+    g.add_argument('--quantization', choices=['int8', 'gguf', 'none'],
+                   help="int8: int8 weights, one scale per output row; gguf: a GGUF's quantized "
+                        'matrices all kept packed; none: all dequantized (default: those a '
+                        'kernel reads here stay packed; chapter 19)')
     g.add_argument('--tensor-parallel-size', type=int, default=1, metavar='N',
                    help='split the model over N processes, one per GPU or sharing the CPU '
                         '(chapter 20; default 1)')

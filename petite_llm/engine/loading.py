@@ -56,7 +56,7 @@ def load_engine_model(model, dtype=None, device=None, quantization: str | None =
                       shard=None) -> tuple[nn.Module, Path | None]:
     "A model for the engine and the path it came from: a built model moved, or a path loaded."
     if quantization is not None:
-        # chapter 19 builds on this module, so it is imported only when asked for
+        # chapter 19 builds on this module, so it is imported only when asked for (or a GGUF)
         from petite_llm.model.quantization import load_q8_0, quantize_model
     if isinstance(model, torch.nn.Module):
         if quantization is not None:
@@ -74,14 +74,24 @@ def load_engine_model(model, dtype=None, device=None, quantization: str | None =
                   f"no native bfloat16 on {device.type}")
         logger.info("dtype %s for a float32 checkpoint: %s", str(dtype).removeprefix('torch.'),
                     reason)
-    if quantization is not None:
+    file = checkpoint_path(path)                    # a folder holding one .gguf: that file
+    if quantization == 'gguf' and (file.suffix != '.gguf' or shard is not None):
+        raise ValueError(f"quantization='gguf' keeps a GGUF's quantized blocks, on one device: "
+                         f"{file} is {'not a .gguf file' if shard is None else 'sharded'}; "
+                         "use quantization='int8' or 'none'")
+    if quantization == 'int8':
         num = quantize_model(net, quantization)
         # a GGUF's Q8_0 matrices come from their blocks, not from the float copy just loaded
-        file = checkpoint_path(path)                # a folder holding one .gguf: that file
         # (a tensor-parallel rank reads its own slices of them: chapter 20)
         from_gguf = load_q8_0(net, file) if file.suffix == '.gguf' and shard is None else 0
         logger.info("%d linear layers quantized to %s (%d of them read from Q8_0 blocks)",
                     num, quantization, from_gguf)
+    elif file.suffix == '.gguf' and quantization != 'none' and shard is None:
+        # chapter 19: a GGUF's quantized matrices stay packed, by default those a kernel reads here
+        from petite_llm.model.quantized import kernel_formats, pack_gguf
+        formats = None if quantization == 'gguf' else kernel_formats(
+            device, next(net.parameters()).dtype)
+        pack_gguf(net, file, formats)
     if num_packed := prepack_linears(net):
         logger.info("packed %d linear layers or expert stacks for oneDNN (bf16 on CPU)",
                     num_packed)

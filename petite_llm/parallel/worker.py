@@ -87,7 +87,7 @@ def load_rank_model(model, config: EngineConfig, rank: int, size: int,
     net, path = load_engine_model(model, config.dtype, device, config.quantization, shard)
     file = checkpoint_path(path)
     whole = ModelConfig.from_pretrained(file)
-    if config.quantization is not None and file.suffix == '.gguf':
+    if config.quantization == 'int8' and file.suffix == '.gguf':
         # chapter 19's Q8_0 blocks, each matrix sliced as the weights were
         rank_slice = partial(shard_int8, config=whole, rank=rank, size=size)
         logger.info("rank %d: %d matrices read from Q8_0 blocks", rank,
