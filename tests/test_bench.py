@@ -85,7 +85,8 @@ def test_quick_run_prints_json_and_writes_outputs(tmp_path, capsys):
     assert res['lengths']['offline_output_tokens'] == res['petite_llm']['offline_output_tokens']
     # the engine's own figures come with the throughput, each beside its goal
     assert res['engine']['launches_per_layer']['triton'] > 0
-    for k in ('launches_per_layer', 'host_us_per_seq_step', 'host_ms_lone_step'):
+    for k in ('launches_per_layer', 'host_us_per_seq_step', 'host_us_per_seq_step_qwen3',
+              'host_ms_lone_step'):
         assert res['engine'][k]['goal'] > 0
 
 
@@ -94,6 +95,8 @@ def test_only_the_engines_own_figures_in_seconds(tmp_path, capsys):
     assert json.loads(capsys.readouterr().out) == json.loads(json.dumps(res))
     assert set(res) == {'engine'} and 'launches_per_layer' not in res['engine']
     assert res['engine']['host_us_per_seq_step']['batch'] == 256
+    # the user's path beside LLM.generate's: Qwen3's own sampling, streamed
+    assert res['engine']['host_us_per_seq_step_qwen3']['detail']['sampling'] == 'qwen3'
     assert res['engine']['host_ms_lone_step']['value'] > 0
     assert not (tmp_path/'bench.json').exists()     # a saved throughput run is left alone
     assert json.loads((tmp_path/'bench_engine.json').read_text()) == json.loads(json.dumps(res))
