@@ -26,6 +26,7 @@ from petite_llm.engine.paging import kv_bytes_per_block
 from petite_llm.model.config import ModelConfig
 from petite_llm.model.quantization import Int8Linear
 from petite_llm.model.sampling_params import SamplingParams
+from test_server_http import serving
 
 VOCAB, EOS = 200, 2
 HF = {'qwen3': (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
@@ -117,7 +118,7 @@ def _pool(path, num_blocks, block_size):
 
 
 def test_mixed_batch_logits_and_tokens(lora_models, record_logits):
-    "Base + 4 adapters in one batch: each request's logits at every step are PEFT's, and its tokens."
+    "Base + 4 adapters in one batch: each request's logits at each step are PEFT's, its tokens too."
     path, models = lora_models
     llm = LLM(path, dtype=torch.float64, enable_lora=True, max_loras=4, max_lora_rank=64,
               block_size=4)
@@ -263,35 +264,10 @@ def test_triton_shrink_expand_equal_the_torch_path(out_sizes, rank):
     torch.testing.assert_close(got[1], y[1], rtol=0, atol=0)          # the base model's token
 
 
-def _start_server(path, port, log, *options):
-    "`petite-llm serve path --enable-lora ...` in a subprocess, once /health answers."
-    import subprocess
-    import sys
-    import time
-    import httpx
-    main = "import sys; from petite_llm.cli.main import main; sys.exit(main())"
-    cmd = [sys.executable, "-c", main, "serve", str(path), "--port", str(port),
-           "--served-model-name", "tiny", "--dtype", "float64", "--device", "cpu",
-           "--log-level", "warning", "--enable-lora", "--max-loras", "2", *options]
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
-                            env={**__import__('os').environ, "OMP_NUM_THREADS": "1"})
-    deadline = time.monotonic() + 90
-    while True:
-        assert proc.poll() is None, "the server exited"
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                return proc
-        except httpx.TransportError:
-            pass
-        assert time.monotonic() < deadline, "the server did not answer /health in 90 s"
-        time.sleep(0.2)
-
-
 @pytest.fixture(scope="module")
 def served_loras(tmp_path_factory):
     "A Qwen3-tokenizer model and its PEFT adapters; `serve` with two of them; killed at the end."
     qwen3_tokenizer = pytest.importorskip("qwen3_tokenizer")
-    from petite_llm.bench.serving import free_port
     path = tmp_path_factory.mktemp("served_lora")
     base, models = make_lora_models(path, 'qwen3', vocab_size=151936, hidden_size=32,
                                     head_dim=8, eos_token_id=151645)
@@ -300,17 +276,11 @@ def served_loras(tmp_path_factory):
     except Exception as e:
         pytest.skip(f"no offline Qwen3 tokenizer here: {e}")
     qv, all_ = list(models)[1:3]
-    port, log = free_port(), open(path / "server.log", "w+")
-    proc = _start_server(base, port, log, "--lora-modules", f"qv={qv.lora_path}",
-                         f"all={all_.lora_path}")
-    try:
-        yield f"http://127.0.0.1:{port}", base, models
-    finally:
-        proc.kill()
-        proc.wait(timeout=10)
-        log.seek(0)
-        print(log.read()[-3000:])
-        log.close()
+    with serving(base, "--served-model-name", "tiny", "--dtype", "float64", "--device", "cpu",
+                 "--log-level", "warning", "--enable-lora", "--max-loras", "2",
+                 "--lora-modules", f"qv={qv.lora_path}", f"all={all_.lora_path}",
+                 timeout=90) as url:
+        yield url, base, models
 
 
 def test_server_answers_by_adapter_in_one_burst(served_loras):
@@ -405,7 +375,7 @@ def test_speculation_verifies_with_the_adapter(qwen3_loras, method):
 
 
 def _int8_twin(model):
-    "A copy of a transformers (+ PEFT) model whose base linears hold their int8 values, dequantized."
+    "A copy of a transformers (+ PEFT) model whose base linears hold their dequantized int8 values."
     from petite_llm.model.quantization import quantize_int8
     twin = copy.deepcopy(model)
     with torch.no_grad():

@@ -6,10 +6,12 @@ reference is the synchronous engine (`LLM`) on the same folder and dtype, each p
 network wait has a timeout, and the subprocess is killed in the fixture's teardown.
 """
 import asyncio
+import contextlib
 import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -43,39 +45,45 @@ def write_checkpoint(path, dtype=torch.float64):
     transformers.Qwen3ForCausalLM(cfg).to(dtype).save_pretrained(path)
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    "(base url, reference LLM): `petite-llm serve` running in a subprocess, killed at the end."
-    path = tmp_path_factory.mktemp("qwen3_served")
-    write_checkpoint(path)
-    port, log = free_port(), open(path / "server.log", "w+")
+@contextlib.contextmanager
+def serving(path, *options, timeout: float = 60):
+    "`petite-llm serve path *options` in a subprocess: its base URL once /health answers."
+    # killed on the way out, the tail of its log printed (pytest shows it when a test fails)
+    port, log = free_port(), open(Path(path) / "server.log", "w+")
     main = "import sys; from petite_llm.cli.main import main; sys.exit(main())"
-    cmd = [sys.executable, "-c", main,
-           "serve", str(path), "--port", str(port), "--api-key", KEY, "--served-model-name", NAME,
-           "--dtype", "float64", "--device", "cpu", "--max-model-len", str(MAX_LEN),
-           "--log-level", "warning"]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+    cmd = [sys.executable, "-c", main, "serve", str(path), "--port", str(port), *options]
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                            env=dict(os.environ, OMP_NUM_THREADS="1"))
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + timeout
         while True:
-            assert proc.poll() is None, f"the server exited: {path / 'server.log'}"
+            assert proc.poll() is None, f"the server exited: {log.name}"
             try:
                 if httpx.get(f"{base}/health", timeout=2).status_code == 200:
                     break
             except httpx.TransportError:
                 pass
-            assert time.monotonic() < deadline, "the server did not answer /health in 60 s"
+            assert time.monotonic() < deadline, f"the server did not answer /health in {timeout} s"
             time.sleep(0.2)
-        llm = LLM(path, dtype=torch.float64, device="cpu", max_model_len=MAX_LEN)
-        yield base, llm
+        yield base
     finally:
         proc.kill()
         proc.wait(timeout=10)
         log.seek(0)
         print(log.read()[-3000:])
         log.close()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    "(base url, reference LLM): `petite-llm serve` running in a subprocess, killed at the end."
+    path = tmp_path_factory.mktemp("qwen3_served")
+    write_checkpoint(path)
+    with serving(path, "--api-key", KEY, "--served-model-name", NAME, "--dtype", "float64",
+                 "--device", "cpu", "--max-model-len", str(MAX_LEN),
+                 "--log-level", "warning") as base:
+        yield base, LLM(path, dtype=torch.float64, device="cpu", max_model_len=MAX_LEN)
 
 
 @pytest.fixture()
