@@ -16,6 +16,7 @@ from petite_llm.model import cpu
 from petite_llm.model.cpu import CpuSupport, cpu_support
 from petite_llm.model.layers import linear
 from petite_llm.model.layers.linear import PackedLinear, packed_linear_available, prepack_linears
+from petite_llm.model.quantized import Int4Linear, int4_kernel_available
 
 pytestmark = pytest.mark.cpu_paths           # all of them run on an emulated AVX2 CPU too
 
@@ -97,6 +98,9 @@ def test_the_default_engine_answers_on_smollm2():
     assert next(model.parameters()).dtype == loading.default_dtype('cpu')
     packed = any(isinstance(m, PackedLinear) for m in model.modules())
     assert packed == (loading.default_dtype('cpu') == torch.bfloat16 and cpu_support().onednn_bf16)
+    # the Q4_1 projections stay packed where PyTorch's int4 kernel is vectorized for the dtype
+    int4 = any(isinstance(m, Int4Linear) for m in model.modules())
+    assert int4 == int4_kernel_available(loading.default_dtype('cpu'))
     question = [{'role': 'user', 'content': 'What is the capital of France?'}]
     out = llm.chat(question, SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
     assert 'Paris' in out[0].text

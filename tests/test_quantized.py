@@ -187,7 +187,6 @@ def test_gguf_quantization_needs_a_gguf(tmp_path):
         LLM(tmp_path, quantization='gguf', kv_cache_memory=1 << 20)
 
 
-@pytest.mark.cpu_paths
 def test_smollm2_runs_packed_by_default_where_a_kernel_reads_it():
     "The default model, as the CLI loads it: its Q4_1 projections in the int4 kernel where it runs."
     llm = LLM(smollm2_gguf_path(), kv_cache_memory=1 << 22, max_model_len=64)
@@ -233,7 +232,6 @@ def test_engine_on_packed_blocks_on_a_gpu(ggufs, options):
 
 # --- petite-llm bench quant --------------------------------------------------------------------
 
-@pytest.mark.cpu_paths
 def test_bench_quant_quick_reports_bytes_and_speed():
     "The quick run on SmolLM2: decode figures; packed projections within 1.25x their file bytes."
     from petite_llm.bench.quant import run_quant_benchmark

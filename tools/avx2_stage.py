@@ -6,7 +6,8 @@ reader's laptop; on a CPU without AVX-512 the native stages of `make test` alrea
 level, and this says so and stops. Under the emulation (importing torch takes about 25 s there)
 one Python runs:
 - the tests marked `cpu_paths`: the one place that answers for the CPU (`model/cpu.py`), the int8
-  kernel, packing refused and its fallback, the default engine answering on SmolLM2;
+  kernel, packing refused and its fallback, PyTorch's int4 kernel on GGUF's 4-bit blocks, the
+  default engine answering on SmolLM2;
 - each chapter's cells marked `cpu_paths` in their metadata, with every exported or hidden cell
   before them (the definitions and imports they stand on), as the chapter would run them.
 `python tools/avx2_stage.py` runs it; `--inside` is the part that runs under the emulation.
@@ -24,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from nbtools import NBS, ROOT, directives, read_nb, source, split_directives  # noqa: E402
 
 # the files whose tests carry the `cpu_paths` marker
-TEST_FILES = ['tests/test_cpu.py', 'tests/test_quantization.py']
+TEST_FILES = ['tests/test_cpu.py', 'tests/test_quantization.py', 'tests/test_quantized.py']
 CPU = 'Haswell'                               # AVX2, FMA, F16C; no AVX-512, no AVX-NE-CONVERT
 
 
