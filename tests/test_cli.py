@@ -11,7 +11,7 @@ from contextlib import redirect_stderr, redirect_stdout
 import pytest
 import torch
 
-from petite_llm.cli.main import build_parser, main
+from petite_llm.cli.main import BENCH_WORKLOADS, bench_modes, build_parser, main
 
 
 def run(argv, stdin=None, monkeypatch=None):
@@ -399,3 +399,8 @@ def test_json_schema_and_regex_shape_the_answer(tmp_path):
     assert code == 2 and 'not allowed with' in err
     code, _, err = run(['generate', '--json-schema', str(tmp_path / 'none.json'), 'hi'])
     assert code == 2 and '--json-schema' in err
+
+
+def test_the_help_names_every_bench_workload():
+    "BENCH_WORKLOADS, which the help texts list, are the modes `petite-llm bench` runs."
+    assert set(bench_modes()) == {'', *BENCH_WORKLOADS}
